@@ -1,0 +1,53 @@
+"""Kiln: an OpenAI-compatible LLM API gateway with prepaid credits and exact metering."""
+import logging
+
+from flask import Flask, request
+
+from .config import Config
+
+
+def create_app(config=None):
+    """Build the WSGI app.
+
+    :param config: a :class:`Config`, a mapping of Config field names, or None for the
+        ``KILN_*`` environment.
+    """
+    from . import account, catalog, chat, metrics, ops, upstream
+    from .db import create_engine
+    from .errors import register_error_handlers
+    from .relay import Services
+
+    if not isinstance(config, Config):
+        config = Config.from_mapping(config)
+    app = Flask(__name__)
+    app.config["KILN"] = config
+    engine = create_engine(config)
+    services = Services(config=config, engine=engine,
+                        session=upstream.create_session(config.upstream_pool_size),
+                        catalog=catalog.load_catalog(config.models), metrics=metrics.Metrics())
+    app.extensions.update({
+        "kiln": services, "kiln.engine": engine, "kiln.catalog": services.catalog,
+        "kiln.metrics": services.metrics, "kiln.key_cache": {}, "kiln.maintenance": {},
+    })
+    register_error_handlers(app)
+    for blueprint in (chat.bp, catalog.bp, account.bp):
+        app.register_blueprint(blueprint, url_prefix="/v1")
+    app.register_blueprint(ops.bp)
+    app.register_blueprint(metrics.bp)
+
+    @app.before_request
+    def _start_background():
+        ops.start_sweeper(app)
+        request.environ.setdefault("kiln.client_addr", client_address(config, request))
+
+    logging.getLogger("kiln.requests").setLevel(logging.INFO)
+    return app
+
+
+def client_address(config, req):
+    """Return the client's address, believing ``X-Forwarded-For`` only from trusted proxies."""
+    peer = req.remote_addr
+    forwarded = req.headers.get("X-Forwarded-For")
+    if forwarded and peer in config.trusted_proxy_set:
+        return forwarded.split(",")[-1].strip()
+    return peer

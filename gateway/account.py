@@ -1,0 +1,62 @@
+"""Endpoints for the key holder: the org's credits, and its own usage events."""
+import sqlalchemy as sa
+from flask import Blueprint, current_app, g, jsonify, request
+
+from .auth import require_key
+from .billing import from_nanos
+from .errors import InvalidRequest, NotFound
+from .models import credit_balances, usage_events
+
+bp = Blueprint("account", __name__)
+
+
+def org_credits(engine, org_id):
+    """Return ``{"balance_usd", "held_usd", "available_usd", "in_flight"}`` (Decimal USD)."""
+    with engine.connect() as conn:
+        row = conn.execute(sa.select(credit_balances)
+                           .where(credit_balances.c.org_id == org_id)).first()
+    balance, held = (row.balance_nanos, row.held_nanos) if row else (0, 0)
+    return {"balance_usd": from_nanos(balance), "held_usd": from_nanos(held),
+            "available_usd": from_nanos(balance - held), "in_flight": row.in_flight if row else 0}
+
+
+@bp.get("/credits")
+@require_key
+def credits():
+    """Show the caller's org credits: balance, open holds, available (USD as strings)."""
+    data = org_credits(current_app.extensions["kiln.engine"], g.principal.org_id)
+    return jsonify({"object": "credits", **{k: str(v) if k != "in_flight" else v
+                                            for k, v in data.items()}})
+
+
+@bp.get("/generation")
+@require_key
+def generation():
+    """Show one of the caller's usage events by generation id; another org's id is 404."""
+    gid = request.args.get("id")
+    if not gid:
+        raise InvalidRequest("Missing required query parameter: 'id'.", param="id",
+                             code="missing_required_parameter")
+    with current_app.extensions["kiln.engine"].connect() as conn:
+        row = conn.execute(sa.select(usage_events).where(
+            usage_events.c.id == gid, usage_events.c.org_id == g.principal.org_id)).first()
+    if row is None:
+        raise NotFound(f"No generation '{gid}' for this organization.", param="id")
+    return jsonify(generation_view(row))
+
+
+def generation_view(row):
+    """Return the public description of a usage-event row."""
+    return {
+        "id": row.id, "object": "generation", "model": row.model, "stream": row.stream,
+        "status": row.status, "http_status": row.http_status,
+        "prompt_tokens": row.prompt_tokens, "cached_tokens": row.cached_tokens,
+        "completion_tokens": row.completion_tokens, "estimated": row.estimated,
+        "cost_usd": str(from_nanos(row.cost_nanos)), "error": row.error,
+        "created_at": _iso(row.started_at), "first_token_at": _iso(row.first_token_at),
+        "ended_at": _iso(row.ended_at),
+    }
+
+
+def _iso(ts):
+    return ts.isoformat() if ts is not None else None

@@ -1,0 +1,127 @@
+"""API keys: creation, revocation, and the ``Authorization: Bearer`` check on every API view.
+
+Keys are random, shown once, stored as SHA-256 plus a short display prefix. Lookups are cached
+per process for ``KILN_KEY_CACHE_TTL_S`` seconds, so a revocation takes effect within that time.
+"""
+import functools
+import hashlib
+import secrets
+import time
+from dataclasses import dataclass
+
+import sqlalchemy as sa
+from flask import current_app, g, request
+
+from .db import utcnow
+from .errors import Forbidden, Unauthorized
+from .models import api_keys, orgs
+
+KEY_PREFIX = "kiln-"
+PREFIX_LEN = 12  # "kiln-" plus 7 random characters: enough to tell keys apart in logs
+_CACHE_MAX = 10_000
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who is calling: the key and its org, as read from the database."""
+
+    key_id: int
+    key_prefix: str
+    org_id: int
+    org_status: str
+    revoked: bool
+    allowed_models: frozenset  # empty: every model
+    in_flight_limit: int
+
+    def may_use(self, model_id):
+        """Tell whether the key's allow-list admits ``model_id``."""
+        return not self.allowed_models or model_id in self.allowed_models
+
+
+def hash_key(key):
+    """Return the hex SHA-256 of ``key``."""
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def create_key(conn, org_id, name=None, allowed_models=None):
+    """Create a key for ``org_id`` and return it in clear (the only time it exists in clear).
+
+    :param allowed_models: iterable of public model ids, or None for every model.
+    """
+    key = KEY_PREFIX + secrets.token_urlsafe(32)
+    conn.execute(api_keys.insert().values(
+        org_id=org_id, prefix=key[:PREFIX_LEN], key_hash=hash_key(key), name=name,
+        allowed_models=" ".join(sorted(allowed_models)) if allowed_models else None))
+    return key
+
+
+def revoke_key(conn, prefix):
+    """Revoke the key with display ``prefix``; return whether one was revoked."""
+    result = conn.execute(api_keys.update()
+                          .where(api_keys.c.prefix == prefix, api_keys.c.revoked_at.is_(None))
+                          .values(revoked_at=utcnow()))
+    return result.rowcount == 1
+
+
+def lookup(engine, key, default_limit):
+    """Return the :class:`Principal` for ``key`` in clear, or None when unknown."""
+    query = (sa.select(api_keys.c.id, api_keys.c.prefix, api_keys.c.revoked_at,
+                       api_keys.c.allowed_models, orgs.c.id.label("org_id"), orgs.c.status,
+                       orgs.c.in_flight_limit)
+             .join(orgs, orgs.c.id == api_keys.c.org_id)
+             .where(api_keys.c.key_hash == hash_key(key)))
+    with engine.connect() as conn:
+        row = conn.execute(query).first()
+    if row is None:
+        return None
+    return Principal(key_id=row.id, key_prefix=row.prefix, org_id=row.org_id,
+                     org_status=row.status, revoked=row.revoked_at is not None,
+                     allowed_models=frozenset((row.allowed_models or "").split()),
+                     in_flight_limit=row.in_flight_limit or default_limit)
+
+
+def authenticate():
+    """Resolve the request's bearer key into a :class:`Principal`.
+
+    :raises Unauthorized: no key, or an unknown one (401).
+    :raises Forbidden: a revoked key or a suspended org (403).
+    """
+    header = request.headers.get("Authorization", "")
+    scheme, _, key = header.partition(" ")
+    key = key.strip()
+    if scheme.lower() != "bearer" or not key:
+        raise Unauthorized("Missing API key: send 'Authorization: Bearer <key>'.")
+    principal = _cached_lookup(key)
+    if principal is None:
+        raise Unauthorized("Incorrect API key provided.")
+    if principal.revoked:
+        raise Forbidden("This API key has been revoked.", code="key_revoked")
+    if principal.org_status != "active":
+        raise Forbidden("This organization is suspended.", code="org_suspended")
+    return principal
+
+
+def _cached_lookup(key):
+    config = current_app.config["KILN"]
+    cache = current_app.extensions["kiln.key_cache"]
+    digest = hash_key(key)
+    now = time.monotonic()
+    hit = cache.get(digest)
+    if hit is not None and hit[0] > now:
+        return hit[1]
+    principal = lookup(current_app.extensions["kiln.engine"], key,
+                       config.default_in_flight_limit)
+    if len(cache) >= _CACHE_MAX:
+        cache.clear()
+    if principal is not None:
+        cache[digest] = (now + config.key_cache_ttl_s, principal)
+    return principal
+
+
+def require_key(view):
+    """Decorate ``view`` so that it runs only for a valid key; sets ``g.principal``."""
+    @functools.wraps(view)
+    def wrapper(*args, **kwargs):
+        g.principal = authenticate()
+        return view(*args, **kwargs)
+    return wrapper

@@ -1,0 +1,127 @@
+"""Model catalog: the TOML file named by ``KILN_MODELS``, and ``GET /v1/models``.
+
+Each entry gives a public model id, limits, input modalities, capabilities, prices (USD per
+million tokens, kept as exact decimals) and backends (base URL + upstream model name + weight).
+"""
+import random
+import tomllib
+from dataclasses import dataclass, field
+from decimal import Decimal
+
+from flask import Blueprint, current_app, jsonify
+
+from .auth import require_key
+
+bp = Blueprint("models", __name__)
+
+
+@dataclass(frozen=True)
+class Backend:
+    """One model server: ``url`` is its OpenAI base URL (ending in ``/v1``)."""
+
+    url: str
+    model: str
+    weight: int = 1
+    tokenize_url: str = None  # llama.cpp: ``POST {base}/extras/tokenize/count`` for exact counts
+
+
+@dataclass(frozen=True)
+class Pricing:
+    """USD per million tokens."""
+
+    input: Decimal
+    cached_input: Decimal
+    output: Decimal
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    id: str
+    context_window: int
+    max_output_tokens: int
+    pricing: Pricing
+    backends: tuple
+    input: tuple = ("text",)
+    family: str = ""
+    parallel_tool_calls: bool = False
+    forced_tool_choice: bool = False
+    response_format: bool = False
+    stop: bool = True
+    created: int = 0
+    owned_by: str = "kiln"
+    _weights: tuple = field(default=(), repr=False)
+
+    def pick_backend(self):
+        """Return a backend chosen by weight."""
+        if len(self.backends) == 1:
+            return self.backends[0]
+        return random.choices(self.backends, weights=self._weights)[0]
+
+    def public(self):
+        """Return the public description served by ``GET /v1/models``."""
+        return {
+            "id": self.id, "object": "model", "created": self.created, "owned_by": self.owned_by,
+            "context_window": self.context_window, "max_output_tokens": self.max_output_tokens,
+            "input_modalities": list(self.input),
+            "capabilities": {"parallel_tool_calls": self.parallel_tool_calls,
+                             "forced_tool_choice": self.forced_tool_choice,
+                             "response_format": self.response_format, "stop": self.stop},
+            "pricing": {"input": str(self.pricing.input),
+                        "cached_input": str(self.pricing.cached_input),
+                        "output": str(self.pricing.output), "unit": "USD per 1M tokens"},
+        }
+
+
+class CatalogError(ValueError):
+    """The catalog file is missing, malformed or inconsistent."""
+
+
+def load_catalog(path):
+    """Read the catalog at ``path`` into ``{model id: ModelEntry}``.
+
+    :raises CatalogError: unreadable file, missing field, bad price or no backend.
+    """
+    try:
+        with open(path, "rb") as fh:
+            data = tomllib.load(fh)
+    except (OSError, tomllib.TOMLDecodeError) as err:
+        raise CatalogError(f"catalog {path}: {err}") from err
+    models = {}
+    for raw in data.get("models", []):
+        entry = _entry(raw)
+        if entry.id in models:
+            raise CatalogError(f"catalog {path}: duplicate model id {entry.id!r}")
+        models[entry.id] = entry
+    return models
+
+
+def _entry(raw):
+    try:
+        backends = tuple(Backend(**b) for b in raw["backends"])
+        prices = raw["pricing"]
+        pricing = Pricing(*(Decimal(str(prices[k])) for k in ("input", "cached_input", "output")))
+        extra = {k: raw[k] for k in ("family", "parallel_tool_calls", "forced_tool_choice",
+                                     "response_format", "stop", "created", "owned_by") if k in raw}
+        entry = ModelEntry(id=raw["id"], context_window=int(raw["context_window"]),
+                           max_output_tokens=int(raw["max_output_tokens"]), pricing=pricing,
+                           backends=backends, input=tuple(raw.get("input", ["text"])),
+                           _weights=tuple(b.weight for b in backends), **extra)
+    except (KeyError, TypeError, ArithmeticError) as err:
+        raise CatalogError(f"catalog entry {raw.get('id', '?')!r}: bad or missing {err}") from err
+    if not backends:
+        raise CatalogError(f"catalog entry {entry.id!r}: no backends")
+    if min(pricing.input, pricing.cached_input, pricing.output) < 0:
+        raise CatalogError(f"catalog entry {entry.id!r}: negative price")
+    return entry
+
+
+def catalog():
+    """Return the current app's catalog mapping."""
+    return current_app.extensions["kiln.catalog"]
+
+
+@bp.get("/models")
+@require_key
+def list_models():
+    """List the public models of the catalog (OpenAI list shape)."""
+    return jsonify({"object": "list", "data": [m.public() for m in catalog().values()]})

@@ -1,0 +1,64 @@
+"""Settings: one object, built from ``KILN_*`` environment variables or a mapping.
+
+No other module reads ``os.environ``; tests pass a mapping to ``create_app``.
+"""
+import os
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+DEFAULT_SQLITE = "sqlite:///kiln.db"
+
+
+@dataclass(frozen=True)
+class Config:
+    """Gateway settings; every field maps to ``KILN_<FIELD_NAME_UPPER>``."""
+
+    database_url: str = DEFAULT_SQLITE
+    models: str = str(Path(__file__).with_name("demo_models.toml"))
+    max_body_bytes: int = 16 * 1024 * 1024
+    default_in_flight_limit: int = 8
+    lease_ttl_s: float = 60.0
+    keepalive_s: float = 10.0
+    upstream_connect_timeout_s: float = 5.0
+    upstream_read_timeout_s: float = 300.0
+    upstream_pool_size: int = 256
+    key_cache_ttl_s: float = 10.0
+    maintenance_poll_s: float = 2.0
+    sweep_interval_s: float = 15.0
+    db_pool_size: int = 10
+    db_max_overflow: int = 10
+    metering: bool = True
+    trusted_proxies: str = "127.0.0.1,::1"
+    log_requests: bool = True
+
+    @classmethod
+    def from_mapping(cls, values=None):
+        """Build from ``values`` (field name -> value) over the ``KILN_*`` environment.
+
+        :param values: mapping of field names to values; wins over the environment.
+        :raises ValueError: a value does not parse as the field's type.
+        """
+        values = dict(values or {})
+        kwargs = {}
+        for f in fields(cls):
+            raw = values.get(f.name, os.environ.get("KILN_" + f.name.upper()))
+            if raw is None:
+                continue
+            kwargs[f.name] = _coerce(f.name, f.type, raw)
+        return cls(**kwargs)
+
+    @property
+    def trusted_proxy_set(self):
+        """Addresses whose ``X-Forwarded-For`` is believed."""
+        return frozenset(p.strip() for p in self.trusted_proxies.split(",") if p.strip())
+
+
+def _coerce(name, type_, raw):
+    if not isinstance(raw, str) or type_ is str:
+        return raw
+    try:
+        if type_ is bool:
+            return raw.strip().lower() in ("1", "true", "yes", "on")
+        return {"int": int, "float": float}[type_.__name__](raw)
+    except (KeyError, ValueError) as err:
+        raise ValueError(f"KILN_{name.upper()}: cannot read {raw!r} as {type_.__name__}") from err

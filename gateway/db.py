@@ -1,0 +1,57 @@
+"""Database engine: Postgres through psycopg 3 (cooperative under gevent), or a SQLite file.
+
+Units of work are short ``engine.begin()`` blocks; no connection is held while a response streams.
+"""
+from datetime import datetime, timezone
+
+import sqlalchemy as sa
+
+
+def normalize_url(url):
+    """Return ``url`` with Postgres URLs pinned to the psycopg 3 driver.
+
+    psycopg2 blocks the whole gevent worker on every query; psycopg 3 waits cooperatively.
+    """
+    for prefix in ("postgres://", "postgresql://"):
+        if url.startswith(prefix):
+            return "postgresql+psycopg://" + url[len(prefix):]
+    return url
+
+
+def create_engine(config):
+    """Create the engine for ``config.database_url``.
+
+    :param config: a :class:`gateway.config.Config`.
+    """
+    url = normalize_url(config.database_url)
+    if url.startswith("sqlite"):
+        engine = sa.create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
+        sa.event.listen(engine, "connect", _sqlite_pragmas)
+        return engine
+    return sa.create_engine(
+        url,
+        pool_size=config.db_pool_size,
+        max_overflow=config.db_max_overflow,
+        pool_pre_ping=True,
+        pool_recycle=1800,
+        # pgbouncer in transaction mode needs server-side prepared statements off.
+        connect_args={"prepare_threshold": None, "application_name": "kiln-gateway"},
+    )
+
+
+def _sqlite_pragmas(dbapi_conn, _record):
+    cur = dbapi_conn.cursor()
+    cur.execute("PRAGMA journal_mode=WAL")
+    cur.execute("PRAGMA foreign_keys=ON")
+    cur.execute("PRAGMA busy_timeout=30000")
+    cur.close()
+
+
+def utcnow():
+    """Return the current time as an aware UTC datetime."""
+    return datetime.now(timezone.utc)
+
+
+def is_postgres(engine):
+    """Tell whether ``engine`` talks to Postgres."""
+    return engine.dialect.name == "postgresql"

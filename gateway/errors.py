@@ -1,0 +1,142 @@
+"""Gateway errors and their rendering in the OpenAI error envelope.
+
+Every error leaves as ``{"error": {"message", "type", "param", "code"}}`` (endpoint reference,
+"Errors"), except upstream failures (502), whose body is plain text as the reference documents.
+"""
+import json
+import logging
+
+from flask import Response
+from werkzeug.exceptions import HTTPException
+
+log = logging.getLogger(__name__)
+
+
+class GatewayError(Exception):
+    """Base error: an HTTP status plus the envelope fields."""
+
+    status = 500
+    type = "server_error"
+    code = None
+
+    def __init__(self, message, *, param=None, code=None, headers=None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+        self.headers = headers or {}
+
+    def envelope(self):
+        """Return the OpenAI error envelope as a dict."""
+        return {"error": {"message": self.message, "type": self.type,
+                          "param": self.param, "code": self.code}}
+
+    def to_response(self):
+        """Render as a Flask response (JSON envelope)."""
+        return json_error(self.status, self.envelope(), self.headers)
+
+
+class InvalidRequest(GatewayError):
+    status = 400
+    type = "invalid_request_error"
+
+
+class UnsupportedParameter(InvalidRequest):
+    code = "unsupported_parameter"
+
+
+class Unauthorized(GatewayError):
+    status = 401
+    type = "invalid_request_error"
+    code = "invalid_api_key"
+
+
+class InsufficientCredits(GatewayError):
+    status = 402
+    type = "insufficient_quota"
+    code = "insufficient_credits"
+
+
+class Forbidden(GatewayError):
+    status = 403
+    type = "permission_error"
+
+
+class NotFound(GatewayError):
+    status = 404
+    type = "invalid_request_error"
+    code = "not_found"
+
+
+class ModelNotFound(NotFound):
+    code = "model_not_found"
+
+
+class PayloadTooLarge(InvalidRequest):
+    status = 413
+    code = "request_too_large"
+
+
+class RateLimited(GatewayError):
+    status = 429
+    type = "rate_limit_error"
+    code = "rate_limit_exceeded"
+
+
+class UpstreamError(GatewayError):
+    """The backend failed or was unreachable: 502 with a plain-text body (endpoint reference)."""
+
+    status = 502
+    type = "upstream_error"
+    code = "upstream_error"
+
+    def to_response(self):
+        return Response(self.message + "\n", status=self.status, mimetype="text/plain",
+                        headers=self.headers)
+
+
+class UpstreamTimeout(UpstreamError):
+    """The backend did not answer within the connect or read timeout (502)."""
+
+    code = "upstream_timeout"
+
+
+class UpstreamRejected(InvalidRequest):
+    """The model server answered 4xx; passed on as 400 in the envelope with its message."""
+
+    code = "upstream_rejected"
+
+
+class ServiceUnavailable(GatewayError):
+    status = 503
+    type = "service_unavailable"
+    code = "service_unavailable"
+
+
+def json_error(status, envelope, headers=None):
+    """Return a JSON response with ``envelope`` and ``status``."""
+    return Response(json.dumps(envelope), status=status, mimetype="application/json",
+                    headers=headers)
+
+
+def register_error_handlers(app):
+    """Render every error raised in a view in the OpenAI envelope, never an HTML page."""
+
+    @app.errorhandler(GatewayError)
+    def _gateway_error(err):
+        return err.to_response()
+
+    @app.errorhandler(HTTPException)
+    def _http_error(err):
+        code = (err.name or "error").lower().replace(" ", "_")
+        kind = "invalid_request_error" if err.code < 500 else "server_error"
+        return json_error(err.code, {"error": {"message": err.description, "type": kind,
+                                               "param": None, "code": code}})
+
+    @app.errorhandler(Exception)
+    def _unexpected(err):
+        # The one catch-all: internals stay in the log, the client gets the envelope.
+        log.exception("unhandled error")
+        return json_error(500, {"error": {"message": "Internal error.", "type": "server_error",
+                                          "param": None, "code": "internal_error"}})

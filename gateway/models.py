@@ -1,0 +1,106 @@
+"""Tables (SQLAlchemy Core). Alembic revisions build them; ``alembic check`` compares against this.
+
+Money is kept in integer nano-dollars (``*_nanos``, 1 USD = 10**9) so that Postgres and SQLite
+both add it exactly; ``credit_grants.amount_usd`` is NUMERIC so an operator can top up in plain
+SQL, and its trigger converts. Invariant per org at a quiet moment:
+``balance_nanos = Σ grants − Σ usage_events.cost_nanos``, ``held_nanos = 0``, ``in_flight = 0``.
+"""
+import sqlalchemy as sa
+
+metadata = sa.MetaData(naming_convention={
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+})
+
+TS = sa.DateTime(timezone=True)
+
+orgs = sa.Table(
+    "orgs", metadata,
+    sa.Column("id", sa.Integer, primary_key=True),
+    sa.Column("name", sa.String(200), nullable=False, unique=True),
+    sa.Column("status", sa.String(16), nullable=False, server_default="active"),
+    # NULL: the gateway's default (KILN_DEFAULT_IN_FLIGHT_LIMIT, 8).
+    sa.Column("in_flight_limit", sa.Integer, nullable=True),
+    sa.Column("created_at", TS, nullable=False, server_default=sa.func.current_timestamp()),
+    sa.CheckConstraint("status IN ('active', 'suspended')", name="status"),
+)
+
+api_keys = sa.Table(
+    "api_keys", metadata,
+    sa.Column("id", sa.Integer, primary_key=True),
+    sa.Column("org_id", sa.Integer, sa.ForeignKey("orgs.id"), nullable=False, index=True),
+    sa.Column("prefix", sa.String(16), nullable=False, unique=True),
+    sa.Column("key_hash", sa.String(64), nullable=False, unique=True),
+    sa.Column("name", sa.String(200), nullable=True),
+    # Space-separated public model ids; NULL allows every model.
+    sa.Column("allowed_models", sa.Text, nullable=True),
+    sa.Column("created_at", TS, nullable=False, server_default=sa.func.current_timestamp()),
+    sa.Column("revoked_at", TS, nullable=True),
+    sa.Column("last_used_at", TS, nullable=True),
+)
+
+credit_balances = sa.Table(
+    "credit_balances", metadata,
+    sa.Column("org_id", sa.Integer, sa.ForeignKey("orgs.id"), primary_key=True),
+    sa.Column("balance_nanos", sa.BigInteger, nullable=False, server_default="0"),
+    # Sum of the holds of admitted, unsettled requests.
+    sa.Column("held_nanos", sa.BigInteger, nullable=False, server_default="0"),
+    # Count of admitted, unsettled requests (their lease rows are in in_flight).
+    sa.Column("in_flight", sa.Integer, nullable=False, server_default="0"),
+    sa.CheckConstraint("balance_nanos >= 0", name="balance_not_negative"),
+)
+
+credit_grants = sa.Table(
+    "credit_grants", metadata,
+    sa.Column("id", sa.Integer, primary_key=True),
+    sa.Column("org_id", sa.Integer, sa.ForeignKey("orgs.id"), nullable=False, index=True),
+    sa.Column("amount_usd", sa.Numeric(20, 9, asdecimal=True), nullable=False),
+    sa.Column("note", sa.Text, nullable=True),
+    sa.Column("created_at", TS, nullable=False, server_default=sa.func.current_timestamp()),
+)
+
+usage_events = sa.Table(
+    "usage_events", metadata,
+    sa.Column("id", sa.String(40), primary_key=True),  # the generation id
+    sa.Column("org_id", sa.Integer, sa.ForeignKey("orgs.id"), nullable=False),
+    sa.Column("api_key_id", sa.Integer, sa.ForeignKey("api_keys.id"), nullable=False),
+    sa.Column("model", sa.String(200), nullable=False),
+    sa.Column("backend", sa.String(500), nullable=True),
+    sa.Column("stream", sa.Boolean, nullable=False),
+    # pending until settled; then completed, client_cancelled, upstream_error, timeout, abandoned.
+    sa.Column("status", sa.String(24), nullable=False, server_default="pending"),
+    sa.Column("prompt_tokens", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("cached_tokens", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("completion_tokens", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("cost_nanos", sa.BigInteger, nullable=False, server_default="0"),
+    sa.Column("hold_nanos", sa.BigInteger, nullable=False, server_default="0"),
+    sa.Column("estimated", sa.Boolean, nullable=False, server_default=sa.false()),
+    sa.Column("http_status", sa.Integer, nullable=True),
+    sa.Column("started_at", TS, nullable=False),
+    sa.Column("first_token_at", TS, nullable=True),
+    sa.Column("ended_at", TS, nullable=True),
+    sa.Column("error", sa.Text, nullable=True),
+    sa.Index("ix_usage_events_org_started", "org_id", "started_at"),
+)
+
+in_flight = sa.Table(
+    "in_flight", metadata,
+    sa.Column("generation_id", sa.String(40), sa.ForeignKey("usage_events.id"), primary_key=True),
+    sa.Column("org_id", sa.Integer, sa.ForeignKey("orgs.id"), nullable=False),
+    sa.Column("hold_nanos", sa.BigInteger, nullable=False),
+    # A lease stops counting after this time unless renewed (worker killed: SIGKILL, OOM).
+    sa.Column("expires_at", TS, nullable=False),
+    sa.Index("ix_in_flight_org_expires", "org_id", "expires_at"),
+)
+
+maintenance = sa.Table(
+    "maintenance", metadata,
+    sa.Column("id", sa.Integer, primary_key=True),
+    sa.Column("enabled", sa.Boolean, nullable=False, server_default=sa.false()),
+    sa.Column("retry_after_s", sa.Integer, nullable=False, server_default="300"),
+    sa.Column("message", sa.Text, nullable=True),
+    sa.Column("updated_at", TS, nullable=False, server_default=sa.func.current_timestamp()),
+)

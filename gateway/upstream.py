@@ -1,0 +1,110 @@
+"""Calls to the model servers (backends): one reused ``requests.Session``, explicit timeouts,
+and one table from upstream failures to gateway errors.
+"""
+import json
+
+import requests
+import urllib3
+from requests.adapters import HTTPAdapter
+
+from .errors import ServiceUnavailable, UpstreamError, UpstreamRejected, UpstreamTimeout
+
+CHAT_PATH = "/chat/completions"
+
+
+def create_session(pool_size):
+    """Return a ``requests.Session`` with a connection pool of ``pool_size`` per backend."""
+    session = requests.Session()
+    adapter = HTTPAdapter(pool_connections=16, pool_maxsize=pool_size, max_retries=0)
+    session.mount("http://", adapter)
+    session.mount("https://", adapter)
+    session.headers.update({"User-Agent": "kiln-gateway", "Accept-Encoding": "identity"})
+    return session
+
+
+def open_chat(session, backend, body, timeouts_s):
+    """POST ``body`` to ``backend``'s chat endpoint; return the response once its status is in.
+
+    The body is not read (``stream=True``); the caller reads it, as a whole or event by event.
+
+    :param body: the validated request body (``model`` is replaced by the backend's name).
+    :param timeouts_s: ``(connect, read)`` seconds; read applies to every wait for bytes.
+    :raises UpstreamError: unreachable, timed out, or 5xx (502, plain text).
+    :raises UpstreamRejected: the backend refused the request (4xx, passed on as 400).
+    :raises ServiceUnavailable: the backend is overloaded (429) (503).
+    """
+    payload = json.dumps({**body, "model": backend.model}, separators=(",", ":")).encode()
+    try:
+        resp = session.post(backend.url.rstrip("/") + CHAT_PATH, data=payload, stream=True,
+                            timeout=timeouts_s, headers={"Content-Type": "application/json"})
+    except requests.Timeout as err:
+        raise UpstreamTimeout("The model backend did not answer in time.") from err
+    except requests.RequestException as err:
+        raise UpstreamError("The model backend is unreachable.") from err
+    if resp.status_code >= 400:
+        try:
+            raise error_for(resp.status_code, _read_small(resp))
+        finally:
+            resp.close()
+    return resp
+
+
+def error_for(status, body):
+    """Map a backend error status and body (bytes) to a gateway error."""
+    if status == 429:
+        return ServiceUnavailable("The model backend is at capacity; retry with backoff.",
+                                  headers={"Retry-After": "1"})
+    if status in (400, 413, 422):
+        return UpstreamRejected(upstream_message(body) or "The model server rejected the request.")
+    return UpstreamError(f"The model backend returned an error (HTTP {status}).")
+
+
+def upstream_message(body):
+    """Extract a human message from a backend error body (OpenAI envelope, FastAPI, text)."""
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return body.decode("utf-8", "replace").strip()[:1000]
+    if isinstance(data, dict):
+        error = data.get("error")
+        if isinstance(error, dict) and error.get("message"):
+            return str(error["message"])
+        if isinstance(error, str):
+            return error
+        if "detail" in data:  # FastAPI (llama-cpp-python) validation errors
+            return json.dumps(data["detail"])[:1000]
+        if data.get("message"):
+            return str(data["message"])
+    return json.dumps(data)[:1000]
+
+
+def _read_small(resp, limit=65536):
+    try:
+        return resp.raw.read(limit) or b""
+    except (requests.RequestException, urllib3.exceptions.HTTPError, OSError):
+        return b""
+
+
+def shutdown(resp):
+    """Abort ``resp`` at once, also from another greenlet: the backend sees the connection close
+    and stops generating."""
+    try:
+        resp.raw.shutdown()
+    except (AttributeError, OSError, RuntimeError):
+        pass  # already closed, or already released to the pool: nothing left to abort
+    resp.close()
+
+
+def count_tokens(session, backend, text, timeout_s=2.0):
+    """Return the backend's exact token count of ``text`` (llama.cpp ``/extras/tokenize/count``),
+    or None when the backend has no tokenize endpoint or it fails."""
+    if not backend.tokenize_url:
+        return None
+    try:
+        resp = session.post(backend.tokenize_url, json={"input": text}, timeout=timeout_s)
+        if resp.status_code == 200:
+            count = resp.json().get("count")
+            return count if isinstance(count, int) else None
+    except (requests.RequestException, ValueError):
+        return None
+    return None

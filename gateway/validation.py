@@ -1,0 +1,346 @@
+"""The request contract of ``POST /v1/chat/completions``, checked before admission.
+
+Rules follow the endpoint reference's "Request body" section; where the reference documents a
+weakness (silent 500s, ignored ``stop``, empty ``response_format`` replies), Kiln rejects or
+enforces instead. A rejected request calls no upstream, writes nothing and charges nothing.
+"""
+import json
+from dataclasses import dataclass
+
+from .errors import InvalidRequest, ModelNotFound, PayloadTooLarge, UnsupportedParameter
+
+ROLES = ("system", "user", "assistant", "tool")
+TRUE_STREAM = (True, "true", 1)
+FALSE_STREAM = (False, "false", 0, None)
+REASONING_EFFORTS = ("low", "medium", "high")
+RANGES = {"temperature": (0, 2), "top_p": (0, 1),
+          "presence_penalty": (-2, 2), "frequency_penalty": (-2, 2)}
+MAX_STOP_STRINGS = 4
+
+
+@dataclass
+class ChatRequest:
+    """A validated chat request: what to forward, and what Kiln itself enforces."""
+
+    entry: object            # gateway.catalog.ModelEntry
+    body: dict               # forwarded to the backend (``model`` set per backend at send time)
+    stream: bool
+    include_usage: bool      # the client asked for the usage chunk
+    stop: tuple              # stop strings Kiln enforces on the output
+    single_tool_call: bool   # parallel_tool_calls false on a model that cannot honour it
+    body_bytes: int
+    n_messages: int
+    has_images: bool
+    max_tokens: int = None
+    n: int = 1
+
+
+def parse_json_body(raw, content_type, max_body_bytes):
+    """Parse the raw request body into a dict.
+
+    :raises PayloadTooLarge: over ``max_body_bytes`` (413).
+    :raises InvalidRequest: not ``application/json``, empty, not JSON or not an object (400).
+    """
+    if len(raw) > max_body_bytes:
+        raise PayloadTooLarge(f"Request body is larger than {max_body_bytes} bytes.")
+    mimetype = (content_type or "").split(";")[0].strip().lower()
+    if mimetype != "application/json":
+        raise InvalidRequest("Content-Type must be application/json.", code="invalid_content_type")
+    if not raw.strip():
+        raise InvalidRequest("Request body is empty: send a JSON object.", code="invalid_json")
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as err:
+        raise InvalidRequest(f"Request body is not valid JSON: {err}", code="invalid_json") from err
+    if not isinstance(body, dict):
+        raise InvalidRequest("Request body must be a JSON object.", code="invalid_json")
+    return body
+
+
+def validate_chat(body, catalog, body_bytes):
+    """Check ``body`` against the contract and return a :class:`ChatRequest`.
+
+    :param catalog: ``{model id: ModelEntry}``.
+    :raises InvalidRequest: 400, ``param`` naming the field at fault.
+    :raises ModelNotFound: 404 ``model_not_found``.
+    """
+    entry = _model(body, catalog)
+    messages = body.get("messages")
+    has_images = _messages(messages, entry)
+    stream = _stream(body.get("stream"))
+    forward = dict(body)
+    forward["stream"] = stream
+    include_usage = _stream_options(body, stream, forward)
+    _tools(body.get("tools"))
+    _tool_choice(body.get("tool_choice"), entry)
+    single_tool_call = _parallel_tool_calls(body, entry, forward)
+    _enums_and_ranges(body)
+    _response_format(body.get("response_format"), entry)
+    if body.get("ignore_eos") is True and entry.family == "gpt-oss":
+        raise UnsupportedParameter("ignore_eos is not supported on gpt-oss models: remove it.",
+                                   param="ignore_eos")
+    return ChatRequest(entry=entry, body=forward, stream=stream, include_usage=include_usage,
+                       stop=_stop(body.get("stop")), single_tool_call=single_tool_call,
+                       body_bytes=body_bytes, n_messages=len(messages), has_images=has_images,
+                       max_tokens=_max_tokens(body, entry), n=_positive_int(body, "n") or 1)
+
+
+def _model(body, catalog):
+    model = body.get("model")
+    if model is None:
+        raise InvalidRequest("Missing required parameter: 'model'.", param="model",
+                             code="missing_required_parameter")
+    if not isinstance(model, str):
+        raise InvalidRequest("Invalid 'model': expected a string.", param="model",
+                             code="invalid_type")
+    entry = catalog.get(model)
+    if entry is None:
+        raise ModelNotFound(f"The model '{model}' does not exist. See GET /v1/models.",
+                            param="model")
+    return entry
+
+
+def _messages(messages, entry):
+    if messages is None or messages == []:
+        # Exactly as the endpoint reference's 400 example.
+        raise InvalidRequest("Invalid 'messages': the array must contain at least one message.",
+                             param="messages", code="empty_array")
+    if not isinstance(messages, list):
+        raise InvalidRequest("Invalid 'messages': expected an array of messages.",
+                             param="messages", code="invalid_type")
+    has_images = False
+    for i, message in enumerate(messages):
+        has_images |= _message(i, message, entry)
+    return has_images
+
+
+def _message(i, message, entry):
+    where = f"messages[{i}]"
+    if not isinstance(message, dict):
+        raise InvalidRequest(f"Invalid '{where}': expected an object.", param=where,
+                             code="invalid_type")
+    role = message.get("role")
+    if role not in ROLES:
+        raise InvalidRequest(f"Invalid '{where}.role': {role!r} is not one of "
+                             f"{', '.join(ROLES)}.", param=f"{where}.role", code="invalid_value")
+    content = message.get("content")
+    if role == "system":
+        _require_string(content, f"{where}.content")
+    elif role == "user":
+        return _user_content(content, where, entry)
+    elif role == "assistant":
+        _assistant(message, content, where)
+    else:
+        _require_string(message.get("tool_call_id"), f"{where}.tool_call_id")
+        _text_or_parts(content, f"{where}.content")
+    return False
+
+
+def _require_string(value, param):
+    if value is None:
+        raise InvalidRequest(f"Missing required parameter: '{param}'.", param=param,
+                             code="missing_required_parameter")
+    if not isinstance(value, str):
+        raise InvalidRequest(f"Invalid '{param}': expected a string.", param=param,
+                             code="invalid_type")
+
+
+def _text_or_parts(content, param):
+    if isinstance(content, list):
+        return
+    _require_string(content, param)
+
+
+def _user_content(content, where, entry):
+    if isinstance(content, str):
+        return False
+    if not isinstance(content, list):
+        _require_string(content, f"{where}.content")
+    has_images = False
+    for j, part in enumerate(content):
+        param = f"{where}.content[{j}]"
+        if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+            raise InvalidRequest(f"Invalid '{param}': expected a content part object with a "
+                                 f"'type'.", param=param, code="invalid_type")
+        if part["type"] == "image_url":
+            if "image" not in entry.input:
+                # The reference warns images fail silently on text-only models; refuse instead.
+                raise UnsupportedParameter(
+                    f"Invalid '{param}': model '{entry.id}' does not accept image input.",
+                    param=param)
+            has_images = True
+    return has_images
+
+
+def _assistant(message, content, where):
+    tool_calls = message.get("tool_calls")
+    if tool_calls is not None and not isinstance(tool_calls, list):
+        raise InvalidRequest(f"Invalid '{where}.tool_calls': expected an array.",
+                             param=f"{where}.tool_calls", code="invalid_type")
+    if content is None and tool_calls:
+        return
+    _text_or_parts(content, f"{where}.content")
+
+
+def _stream(value):
+    if any(value is v or (type(value) is type(v) and value == v) for v in TRUE_STREAM):
+        return True
+    if any(value is v or (type(value) is type(v) and value == v) for v in FALSE_STREAM):
+        return False
+    raise InvalidRequest("Invalid 'stream': expected true or false.", param="stream",
+                         code="invalid_type")
+
+
+def _stream_options(body, stream, forward):
+    options = body.get("stream_options")
+    if options is None:
+        if stream:
+            forward["stream_options"] = {"include_usage": True}
+        return False
+    if not stream:
+        raise InvalidRequest("Invalid 'stream_options': only allowed when 'stream' is true.",
+                             param="stream_options", code="invalid_value")
+    if not isinstance(options, dict):
+        raise InvalidRequest("Invalid 'stream_options': expected an object.",
+                             param="stream_options", code="invalid_type")
+    wanted = options.get("include_usage", False)
+    if not isinstance(wanted, bool):
+        raise InvalidRequest("Invalid 'stream_options.include_usage': expected a boolean.",
+                             param="stream_options.include_usage", code="invalid_type")
+    # Kiln meters every stream, so the backend always sends usage; other keys are kept.
+    forward["stream_options"] = {**options, "include_usage": True}
+    return wanted
+
+
+def _tools(tools):
+    if tools is None:
+        return
+    if not isinstance(tools, list):
+        raise InvalidRequest("Invalid 'tools': expected an array.", param="tools",
+                             code="invalid_type")
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            raise InvalidRequest(f"Invalid '{where}.type': only 'function' tools are supported.",
+                                 param=f"{where}.type", code="invalid_value")
+        function = tool.get("function")
+        if not isinstance(function, dict):
+            raise InvalidRequest(f"Missing required parameter: '{where}.function'.",
+                                 param=f"{where}.function", code="missing_required_parameter")
+        for field in ("name", "description"):
+            value = function.get(field)
+            if not isinstance(value, str) or not value.strip():
+                raise InvalidRequest(f"Invalid '{where}.function.{field}': a non-empty string is "
+                                     f"required.", param=f"{where}.function.{field}",
+                                     code="missing_required_parameter")
+        if "parameters" in function and not isinstance(function["parameters"], dict):
+            raise InvalidRequest(f"Invalid '{where}.function.parameters': expected a JSON "
+                                 f"Schema object.", param=f"{where}.function.parameters",
+                                 code="invalid_type")
+
+
+def _tool_choice(choice, entry):
+    if choice is None or choice in ("auto", "none"):
+        return
+    forced = choice == "required" or (
+        isinstance(choice, dict) and choice.get("type") == "function"
+        and isinstance(choice.get("function"), dict)
+        and isinstance(choice["function"].get("name"), str))
+    if not forced:
+        raise InvalidRequest("Invalid 'tool_choice': expected 'auto', 'none', 'required' or "
+                             "a named function.", param="tool_choice", code="invalid_value")
+    if not entry.forced_tool_choice:
+        # The reference documents a silent 500 / empty arguments here; refuse clearly instead.
+        raise UnsupportedParameter(f"Forced tool choice is not supported on model "
+                                   f"'{entry.id}': send tool_choice \"auto\".",
+                                   param="tool_choice")
+
+
+def _parallel_tool_calls(body, entry, forward):
+    value = body.get("parallel_tool_calls")
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise InvalidRequest("Invalid 'parallel_tool_calls': expected a boolean.",
+                             param="parallel_tool_calls", code="invalid_type")
+    if entry.parallel_tool_calls:
+        return False
+    # Not honoured by this model's server: Kiln keeps only the first tool call itself.
+    del forward["parallel_tool_calls"]
+    return value is False
+
+
+def _enums_and_ranges(body):
+    effort = body.get("reasoning_effort")
+    if effort is not None and effort not in REASONING_EFFORTS:
+        raise InvalidRequest("Invalid 'reasoning_effort': expected low, medium or high.",
+                             param="reasoning_effort", code="invalid_value")
+    for name, (low, high) in RANGES.items():
+        value = body.get(name)
+        if value is None:
+            continue
+        if not _is_number(value) or not low <= value <= high:
+            raise InvalidRequest(f"Invalid '{name}': expected a number from {low} to {high}.",
+                                 param=name, code="invalid_value")
+    seed = body.get("seed")
+    if seed is not None and not _is_int(seed):
+        raise InvalidRequest("Invalid 'seed': expected an integer.", param="seed",
+                             code="invalid_type")
+
+
+def _is_number(value):
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_int(value):
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _positive_int(body, name):
+    value = body.get(name)
+    if value is None:
+        return None
+    if not _is_int(value) or value < 1:
+        raise InvalidRequest(f"Invalid '{name}': expected an integer of at least 1.",
+                             param=name, code="invalid_value")
+    return value
+
+
+def _max_tokens(body, entry):
+    cap = None
+    for name in ("max_tokens", "max_completion_tokens"):
+        value = _positive_int(body, name)
+        if value is not None and value > entry.max_output_tokens:
+            raise InvalidRequest(f"Invalid '{name}': {value} is above the model's maximum "
+                                 f"output of {entry.max_output_tokens} tokens.", param=name,
+                                 code="invalid_value")
+        cap = value if cap is None else min(cap, value or cap)
+    return cap
+
+
+def _stop(stop):
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        stop = [stop]
+    if (not isinstance(stop, list) or len(stop) > MAX_STOP_STRINGS
+            or not all(isinstance(s, str) and s for s in stop)):
+        raise InvalidRequest("Invalid 'stop': expected a non-empty string or an array of up to "
+                             "4 non-empty strings.", param="stop", code="invalid_value")
+    return tuple(stop)
+
+
+def _response_format(fmt, entry):
+    if fmt is None:
+        return
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return
+    if kind not in ("json_object", "json_schema"):
+        raise InvalidRequest("Invalid 'response_format.type': expected text, json_object or "
+                             "json_schema.", param="response_format", code="invalid_value")
+    if not entry.response_format:
+        # The reference documents 200 with empty content here; refuse clearly instead.
+        raise UnsupportedParameter(f"response_format {kind} is not supported on model "
+                                   f"'{entry.id}': ask for JSON in the prompt instead.",
+                                   param="response_format")
