@@ -1,0 +1,71 @@
+"""Pricing and holds: exact Decimal arithmetic (DESIGN.md, Pricing)."""
+from decimal import Decimal
+
+import pytest
+
+from gateway.billing import Usage, cost_usd, from_nanos, hold_for, to_nanos
+from gateway.catalog import Backend, ModelEntry, Pricing
+
+PRICING = Pricing(input=Decimal("0.10"), cached_input=Decimal("0.05"), output=Decimal("0.30"))
+
+
+def entry(**kw):
+    base = dict(id="m", context_window=4096, max_output_tokens=1024, pricing=PRICING,
+                backends=(Backend(url="http://x/v1", model="m"),))
+    return ModelEntry(**{**base, **kw})
+
+
+def test_cost_formula_plain():
+    # 9 prompt, 12 completion at 0.10 / 0.30 per million.
+    assert cost_usd(Usage(prompt=9, completion=12), PRICING) == Decimal("0.0000045")
+
+
+def test_cached_tokens_priced_at_cached_rate():
+    usage = Usage(prompt=1000, cached=400, completion=0)
+    assert cost_usd(usage, PRICING) == Decimal("600") * Decimal("0.10") / 10**6 + \
+        Decimal("400") * Decimal("0.05") / 10**6
+
+
+def test_cached_above_prompt_is_clamped():
+    assert cost_usd(Usage(prompt=100, cached=500), PRICING) == cost_usd(
+        Usage(prompt=100, cached=100), PRICING)
+
+
+def test_reasoning_tokens_are_not_added_again():
+    # Reasoning tokens are inside completion_tokens: only completion_tokens is billed.
+    usage = Usage.from_openai({"prompt_tokens": 10, "completion_tokens": 50,
+                               "completion_tokens_details": {"reasoning_tokens": 40}})
+    assert cost_usd(usage, PRICING) == (Decimal(10) * Decimal("0.10")
+                                        + Decimal(50) * Decimal("0.30")) / 10**6
+
+
+@pytest.mark.parametrize("usage", [{"prompt_tokens": -5, "completion_tokens": -1},
+                                   {"prompt_tokens": None, "completion_tokens": "7"},
+                                   {"prompt_tokens": True}, None, {}])
+def test_no_negative_or_garbage_cost(usage):
+    assert cost_usd(Usage.from_openai(usage), PRICING) == 0
+
+
+def test_cost_is_rounded_half_up_to_the_nano_dollar():
+    odd = Pricing(input=Decimal("0.123456"), cached_input=Decimal("0"), output=Decimal("0"))
+    # 1 token at 0.123456 USD/M = 0.000000123456 USD -> 0.000000123
+    assert cost_usd(Usage(prompt=1), odd) == Decimal("0.000000123")
+    assert cost_usd(Usage(prompt=5), odd) == Decimal("0.000000617")  # 617.28 nanos
+
+
+def test_nanos_round_trip_is_exact():
+    for usd in ("0.000000001", "5", "12.345678901", "0"):
+        assert from_nanos(to_nanos(Decimal(usd))) == Decimal(usd)
+
+
+def test_hold_bounds_prompt_by_bytes_and_context_window():
+    small = hold_for(entry(), body_bytes=100, n_messages=1, max_tokens=10, has_images=False)
+    expected = to_nanos(cost_usd(Usage(prompt=100 + 8 + 32, completion=10), PRICING))
+    assert small == expected
+    huge = hold_for(entry(), body_bytes=10**7, n_messages=1, max_tokens=10, has_images=False)
+    assert huge == to_nanos(cost_usd(Usage(prompt=4096, completion=10), PRICING))
+
+
+def test_hold_without_max_tokens_uses_model_max_output_and_images_use_window():
+    hold = hold_for(entry(), body_bytes=10, n_messages=1, max_tokens=None, has_images=True)
+    assert hold == to_nanos(cost_usd(Usage(prompt=4096, completion=1024), PRICING))
