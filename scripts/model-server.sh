@@ -5,7 +5,8 @@
 # Usage:
 #   scripts/model-server.sh install VENV_DIR      # idempotent
 #   scripts/model-server.sh gguf    VENV_DIR      # print absolute path of the .gguf
-#   scripts/model-server.sh start   VENV_DIR PORT # exec the server on 127.0.0.1:PORT
+#   scripts/model-server.sh start   VENV_DIR PORT [ARGS...] # exec the server on
+#                                   127.0.0.1:PORT; ARGS go to llama_cpp.server
 #
 # Env:
 #   KILN_CACHE_DIR   wheel cache root (default: $HOME/.cache/kiln)
@@ -19,7 +20,7 @@ LLAMA_VERSION=0.3.36
 LLAMA_CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF"
 
 usage() {
-  sed -n '5,8p' "$0" | sed 's/^# \{0,1\}//' >&2
+  sed -n '5,9p' "$0" | sed 's/^# \{0,1\}//' >&2
   exit 2
 }
 
@@ -61,17 +62,24 @@ cmd_install() {
 
 cmd_start() {
   local venv=$1 port=$2 model
+  shift 2
   model=$(gguf_path "$venv")
+  # The server handles one request at a time. By default, any request that
+  # arrives during a stream (even GET /v1/models) cuts that stream short: it
+  # ends with `data: [DONE]` and no finish_reason. --interrupt_requests False
+  # makes other requests wait for the stream to finish instead.
   exec "$venv/bin/python" -m llama_cpp.server \
     --model "$model" \
     --host 127.0.0.1 --port "$port" \
     --model_alias "${KILN_DEMO_MODEL:-smollm2-135m}" \
-    --n_ctx "${KILN_MODEL_N_CTX:-4096}"
+    --n_ctx "${KILN_MODEL_N_CTX:-4096}" \
+    --interrupt_requests False \
+    "$@"
 }
 
 case "${1:-}" in
   install) [[ $# -eq 2 ]] || usage; cmd_install "$2" ;;
   gguf)    [[ $# -eq 2 ]] || usage; gguf_path "$2" ;;
-  start)   [[ $# -eq 3 ]] || usage; cmd_start "$2" "$3" ;;
+  start)   [[ $# -ge 3 ]] || usage; shift; cmd_start "$@" ;;
   *)       usage ;;
 esac

@@ -58,11 +58,13 @@ def start_model_server(
     *,
     model_alias: str | None = None,
     n_ctx: int = 4096,
+    extra_args: list[str] | tuple[str, ...] = (),
 ) -> subprocess.Popen:
     """Start ``python -m llama_cpp.server`` on 127.0.0.1:``port``.
 
     stdout/stderr go to ``log_path``. Returns immediately; call
-    :func:`wait_ready` before sending requests.
+    :func:`wait_ready` before sending requests. Same flags as
+    ``scripts/model-server.sh start``; ``extra_args`` are appended.
     """
     alias = model_alias or os.environ.get("KILN_DEMO_MODEL", DEFAULT_MODEL_ALIAS)
     cmd = [
@@ -72,6 +74,11 @@ def start_model_server(
         "--port", str(port),
         "--model_alias", alias,
         "--n_ctx", str(n_ctx),
+        # The server handles one request at a time; by default a request that
+        # arrives mid-stream (even GET /v1/models) truncates that stream.
+        # With this flag it waits for the stream to finish instead.
+        "--interrupt_requests", "False",
+        *extra_args,
     ]
     Path(log_path).parent.mkdir(parents=True, exist_ok=True)
     log = open(log_path, "ab")
