@@ -1,9 +1,14 @@
 """gunicorn settings for Kiln: gevent workers, long streams, graceful restarts.
 
 Every value can be overridden with a KILN_* variable (see deploy/kiln.env.example) or on the
-gunicorn command line. Nothing here imports the app: with gevent workers the app must be
-imported after the worker has patched the standard library, so preload_app stays off.
+gunicorn command line. Nothing here imports the app when the file is read: with gevent workers
+the app must be imported after the worker has patched the standard library, so preload_app stays
+off (the hooks below that import it run inside a worker, after the patching).
+
+Logs: one JSON line per request on stdout (logger ``kiln.requests``); gunicorn's own lines and
+the gateway's warnings on stderr. Under systemd both go to the journal.
 """
+import logging
 import os
 import shutil
 import tempfile
@@ -19,33 +24,57 @@ timeout = int(os.environ.get("KILN_WORKER_TIMEOUT", "60"))
 # On SIGTERM/HUP, running streams get this long to finish before the worker is killed;
 # systemd's TimeoutStopSec must be longer.
 graceful_timeout = int(os.environ.get("KILN_GRACEFUL_TIMEOUT", "120"))
-keepalive = 75  # idle client keep-alive seconds (above nginx's upstream keepalive_timeout 60s)
+# Idle keep-alive seconds. Above nginx's upstream keepalive_timeout (4 s), so that nginx, not
+# gunicorn, closes an idle connection (no POST meets a closing socket). Short, because a
+# stopping worker (stop, reload, max_requests) waits for its idle connections until this expires.
+keepalive = 5
 # Recycle workers now and then (memory hygiene); jitter keeps them from restarting together.
 max_requests = int(os.environ.get("KILN_MAX_REQUESTS", "50000"))
 max_requests_jitter = max_requests // 10
 preload_app = False
-accesslog = None  # the app logs one JSON line per generation; no duplicate access log
+accesslog = None  # the app logs one JSON line per request (with more); no duplicate access log
 errorlog = "-"
 loglevel = os.environ.get("KILN_LOG_LEVEL", "info")
 forwarded_allow_ips = os.environ.get("KILN_TRUSTED_PROXIES", "127.0.0.1,::1")
 proc_name = "kiln-gateway"
+
+
+def _request_lines_only(record):
+    """Pass the request log's INFO lines (JSON); its warnings belong on stderr."""
+    return record.levelno <= logging.INFO
+
+
 logconfig_dict = {
     "version": 1,
     "disable_existing_loggers": False,
     "formatters": {"plain": {"format": "%(message)s"},
-                   "generic": {"format": "%(asctime)s [%(process)d] [%(levelname)s] %(message)s"}},
+                   "generic": {"format": "%(asctime)s [%(process)d] [%(levelname)s] %(message)s"},
+                   "named": {"format": "%(asctime)s [%(process)d] [%(levelname)s] %(name)s: "
+                                       "%(message)s"}},
+    "filters": {"request_lines": {"()": lambda: _request_lines_only}},
     "handlers": {"requests": {"class": "logging.StreamHandler", "formatter": "plain",
-                              "stream": "ext://sys.stdout"},
+                              "filters": ["request_lines"], "stream": "ext://sys.stdout"},
+                 "problems": {"class": "logging.StreamHandler", "formatter": "named",
+                              "level": "WARNING", "stream": "ext://sys.stderr"},
                  "console": {"class": "logging.StreamHandler", "formatter": "generic",
-                             "stream": "ext://sys.stderr"}},
-    "loggers": {"kiln.requests": {"handlers": ["requests"], "level": "INFO", "propagate": False},
-                "gunicorn.error": {"handlers": ["console"], "level": "INFO", "propagate": False}},
-    "root": {"handlers": ["console"], "level": "INFO"},
+                             "stream": "ext://sys.stderr"},
+                 "app": {"class": "logging.StreamHandler", "formatter": "named",
+                         "stream": "ext://sys.stderr"}},
+    # stdout carries nothing but the JSON request lines, so that it can be parsed line by line;
+    # the request log is switched by KILN_LOG_REQUESTS, not by the log level.
+    "loggers": {"kiln.requests": {"handlers": ["requests", "problems"], "level": "INFO",
+                                  "propagate": False},
+                # Applied after gunicorn's own `loglevel`, so it must repeat it.
+                "gunicorn.error": {"handlers": ["console"], "level": loglevel.upper(),
+                                   "propagate": False}},
+    "root": {"handlers": ["app"], "level": loglevel.upper()},
 }
 
 # Prometheus multiprocess mode: every worker writes its samples here; /metrics merges them.
 _metrics_dir = os.environ.setdefault(
     "PROMETHEUS_MULTIPROC_DIR", os.path.join(tempfile.gettempdir(), f"kiln-metrics-{os.getpid()}"))
+# Exists from here on: `gunicorn --check-config` imports the app without running on_starting.
+os.makedirs(_metrics_dir, exist_ok=True)
 
 
 def on_starting(server):
@@ -58,3 +87,18 @@ def child_exit(server, worker):
     """Drop a dead worker's live gauges (in-flight) from the merged metrics."""
     from prometheus_client import multiprocess
     multiprocess.mark_process_dead(worker.pid)
+
+
+def post_worker_init(worker):
+    """Keep expected request errors out of stderr (runs in each worker, after the app loaded).
+
+    gevent prints every exception a greenlet dies with, message and traceback, to stderr. The
+    gateway's upstream greenlets end with a GatewayError (502, 400, ...) as an ordinary result
+    that the view collects and answers with; printing it would flood the journal and could
+    copy a backend's error text, which may quote the prompt, into it.
+    """
+    from gevent import get_hub
+
+    from gateway.errors import GatewayError
+    hub = get_hub()
+    hub.NOT_ERROR = tuple(hub.NOT_ERROR) + (GatewayError,)

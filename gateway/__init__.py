@@ -12,7 +12,7 @@ def create_app(config=None):
     :param config: a :class:`Config`, a mapping of Config field names, or None for the
         ``KILN_*`` environment.
     """
-    from . import account, catalog, chat, metrics, ops, upstream
+    from . import account, catalog, chat, metrics, openapi, ops, upstream
     from .db import create_engine
     from .errors import register_error_handlers
     from .relay import Services
@@ -33,6 +33,7 @@ def create_app(config=None):
     for blueprint in (chat.bp, catalog.bp, account.bp):
         app.register_blueprint(blueprint, url_prefix="/v1")
     app.register_blueprint(ops.bp)
+    app.register_blueprint(openapi.bp)
     app.register_blueprint(metrics.bp)
 
     @app.before_request

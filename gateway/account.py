@@ -23,10 +23,12 @@ def org_credits(engine, org_id):
 @bp.get("/credits")
 @require_key
 def credits():
-    """Show the caller's org credits: balance, open holds, available (USD as strings)."""
+    """Show the caller's org credits: balance, open holds, available (USD as exact decimal
+    strings), requests in flight and the org's in-flight limit."""
     data = org_credits(current_app.extensions["kiln.engine"], g.principal.org_id)
-    return jsonify({"object": "credits", **{k: str(v) if k != "in_flight" else v
-                                            for k, v in data.items()}})
+    return jsonify({"object": "credits", **{k: format(v, "f") if k != "in_flight" else v
+                                            for k, v in data.items()},
+                    "in_flight_limit": g.principal.in_flight_limit})
 
 
 @bp.get("/generation")
@@ -46,16 +48,30 @@ def generation():
 
 
 def generation_view(row):
-    """Return the public description of a usage-event row."""
+    """Return the public description of a usage-event row.
+
+    ``cost_usd`` and ``hold_usd`` are exact decimal strings; ``estimated`` marks token counts
+    that Kiln counted itself (the backend sent no usage, or the client left); times are ISO 8601
+    UTC, with ``ttft_ms`` and ``duration_ms`` derived from them (None while unknown).
+    """
     return {
         "id": row.id, "object": "generation", "model": row.model, "stream": row.stream,
         "status": row.status, "http_status": row.http_status,
         "prompt_tokens": row.prompt_tokens, "cached_tokens": row.cached_tokens,
         "completion_tokens": row.completion_tokens, "estimated": row.estimated,
-        "cost_usd": str(from_nanos(row.cost_nanos)), "error": row.error,
+        "total_tokens": row.prompt_tokens + row.completion_tokens,
+        "cost_usd": format(from_nanos(row.cost_nanos), "f"),
+        "hold_usd": format(from_nanos(row.hold_nanos), "f"), "error": row.error,
         "created_at": _iso(row.started_at), "first_token_at": _iso(row.first_token_at),
-        "ended_at": _iso(row.ended_at),
+        "ended_at": _iso(row.ended_at), "ttft_ms": _ms_between(row.started_at, row.first_token_at),
+        "duration_ms": _ms_between(row.started_at, row.ended_at),
     }
+
+
+def _ms_between(start, end):
+    if start is None or end is None:
+        return None
+    return round((end - start).total_seconds() * 1000, 1)
 
 
 def _iso(ts):

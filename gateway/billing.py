@@ -1,10 +1,12 @@
 """Pricing, credit holds, admission and settlement.
 
-Admission (one short transaction) places a hold for the request's worst-case cost and takes an
-in-flight lease; settlement (one short transaction, exactly once) closes the usage event, debits
-the exact cost and releases hold and lease. On Postgres each is a single statement.
+Admission places a hold for the request's worst-case cost and takes an in-flight lease;
+settlement (exactly once) closes the usage event, debits the exact cost and releases hold and
+lease. On Postgres each is a single statement, sent in autocommit mode: one round trip each.
+Money is integer nano-dollars in SQL and Decimal USD in Python, never floats.
 """
 import secrets
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from decimal import ROUND_HALF_UP, Decimal
@@ -100,6 +102,36 @@ def new_generation_id():
     return "gen-" + secrets.token_hex(12)
 
 
+def autocommit(engine):
+    """Return a connection whose statements commit on their own.
+
+    Admission, settlement and renewal are each one statement on Postgres, atomic by itself:
+    without an explicit transaction they cost one round trip instead of three (BEGIN, the
+    statement, COMMIT).
+    """
+    return engine.connect().execution_options(isolation_level="AUTOCOMMIT")
+
+
+# -- admission -----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Admission:
+    """What one admission attempt saw.
+
+    ``gid`` is the generation id when admitted, else None; the other fields describe the org's
+    balance row as the attempt saw it (only meaningful when rejected).
+    """
+
+    gid: str = None
+    available_nanos: int = 0
+    in_flight: int = 0
+    expired_leases: bool = False
+
+
+# The conditional UPDATE of the org's balance row decides: concurrent admissions of one org wait
+# on its row lock and re-check the condition on the newest row (READ COMMITTED), so the limit
+# and the credits are exact across processes and hosts. The trailing SELECT tells a rejection's
+# reason in the same round trip (from the statement's snapshot, hence `rejection` may say None).
 _PG_ADMIT = sa.text("""
 WITH admitted AS (
   UPDATE credit_balances
@@ -110,67 +142,93 @@ WITH admitted AS (
   INSERT INTO usage_events (id, org_id, api_key_id, model, stream, status, hold_nanos, started_at)
   SELECT :gid, org_id, :key, :model, :stream, 'pending', :hold, :now FROM admitted
   RETURNING id
+), lease AS (
+  INSERT INTO in_flight (generation_id, org_id, hold_nanos, expires_at)
+  SELECT id, :org, :hold, :expires FROM event
+  RETURNING generation_id
 )
-INSERT INTO in_flight (generation_id, org_id, hold_nanos, expires_at)
-SELECT id, :org, :hold, :expires FROM event
-RETURNING generation_id
+SELECT (SELECT generation_id FROM lease) AS gid,
+       b.balance_nanos - b.held_nanos AS available, b.in_flight,
+       EXISTS (SELECT 1 FROM in_flight f
+                WHERE f.org_id = :org AND f.expires_at < :now) AS expired
+  FROM credit_balances b WHERE b.org_id = :org
 """)
 
 
-def admit(engine, principal, model_id, stream, hold_nanos, lease_ttl_s):
-    """Place a hold and take an in-flight lease for one request; return its generation id.
+def try_admit(engine, principal, model_id, stream, hold_nanos, lease_ttl_s):
+    """Try once to place a hold and take an in-flight lease; never raises a rejection.
 
-    One statement on Postgres: the conditional UPDATE of the org's balance row serialises
-    concurrent admissions of an org, across processes and hosts.
+    One statement (one round trip) on Postgres. A rejected attempt changes nothing.
 
-    :raises RateLimited: the org already has ``principal.in_flight_limit`` requests in flight.
-    :raises InsufficientCredits: available credits do not cover ``hold_nanos``.
+    :param hold_nanos: the hold, integer nano-dollars (:func:`hold_for`).
+    :param lease_ttl_s: seconds until the lease expires unless renewed.
+    :returns: :class:`Admission`; ``gid`` is None when rejected.
     """
-    gid = new_generation_id()
     now = utcnow()
     params = {"hold": hold_nanos, "org": principal.org_id, "limit": principal.in_flight_limit,
-              "gid": gid, "key": principal.key_id, "model": model_id, "stream": stream,
-              "now": now, "expires": now + timedelta(seconds=lease_ttl_s)}
-    if _try_admit(engine, params):
-        return gid
-    raise _rejection(engine, principal, hold_nanos)
+              "gid": new_generation_id(), "key": principal.key_id, "model": model_id,
+              "stream": stream, "now": now, "expires": now + timedelta(seconds=lease_ttl_s)}
+    if not is_postgres(engine):
+        return _admit_generic(engine, params)
+    with autocommit(engine) as conn:
+        row = conn.execute(_PG_ADMIT, params).first()
+    if row is None:  # no balance row: the org cannot pay
+        return Admission()
+    return Admission(row.gid, row.available, row.in_flight, row.expired)
 
 
-def _try_admit(engine, params):
-    if is_postgres(engine):
-        with engine.begin() as conn:
-            return conn.execute(_PG_ADMIT, params).first() is not None
+def _admit_generic(engine, p):
+    bal = credit_balances.c
     with engine.begin() as conn:
-        bal = credit_balances.c
         admitted = conn.execute(
             credit_balances.update()
-            .where(bal.org_id == params["org"], bal.in_flight < params["limit"],
-                   bal.balance_nanos - bal.held_nanos >= params["hold"])
-            .values(in_flight=bal.in_flight + 1, held_nanos=bal.held_nanos + params["hold"])
+            .where(bal.org_id == p["org"], bal.in_flight < p["limit"],
+                   bal.balance_nanos - bal.held_nanos >= p["hold"])
+            .values(in_flight=bal.in_flight + 1, held_nanos=bal.held_nanos + p["hold"])
         ).rowcount == 1
         if admitted:
             conn.execute(usage_events.insert().values(
-                id=params["gid"], org_id=params["org"], api_key_id=params["key"],
-                model=params["model"], stream=params["stream"], status="pending",
-                hold_nanos=params["hold"], started_at=params["now"]))
+                id=p["gid"], org_id=p["org"], api_key_id=p["key"], model=p["model"],
+                stream=p["stream"], status="pending", hold_nanos=p["hold"], started_at=p["now"]))
             conn.execute(in_flight.insert().values(
-                generation_id=params["gid"], org_id=params["org"], hold_nanos=params["hold"],
-                expires_at=params["expires"]))
-        return admitted
+                generation_id=p["gid"], org_id=p["org"], hold_nanos=p["hold"],
+                expires_at=p["expires"]))
+            return Admission(p["gid"])
+        row = conn.execute(sa.select(bal.balance_nanos - bal.held_nanos, bal.in_flight)
+                           .where(bal.org_id == p["org"])).first()
+        expired = conn.execute(sa.select(sa.exists().where(
+            in_flight.c.org_id == p["org"], in_flight.c.expires_at < p["now"]))).scalar()
+    return Admission(None, *row, bool(expired)) if row else Admission()
 
 
-def _rejection(engine, principal, hold_nanos):
-    with engine.connect() as conn:
-        row = conn.execute(sa.select(credit_balances).where(
-            credit_balances.c.org_id == principal.org_id)).first()
-    if row is not None and row.in_flight >= principal.in_flight_limit:
+def rejection(admission, principal, hold_nanos):
+    """Return the error for a rejected :class:`Admission`, or None when its snapshot shows room
+    (the org's row changed meanwhile: the caller tries again).
+
+    The in-flight limit is told first: it clears by itself, and holds of running requests also
+    lower the available credits.
+    """
+    if admission.in_flight >= principal.in_flight_limit:
         return RateLimited(f"Too many requests in flight: this organization's limit is "
                            f"{principal.in_flight_limit} at once. Retry with backoff.")
-    available = from_nanos(row.balance_nanos - row.held_nanos) if row else Decimal(0)
-    return InsufficientCredits(
-        f"Insufficient credits: {available} USD available, this request needs a hold of "
-        f"{from_nanos(hold_nanos)} USD (its worst-case cost). Top up, or lower max_tokens.")
+    if admission.available_nanos < hold_nanos:
+        return insufficient_credits(admission.available_nanos, hold_nanos)
+    return None
 
+
+def insufficient_credits(available_nanos, hold_nanos):
+    """Return the 402 error: the available amount, the hold, and what to do (issue 4)."""
+    return InsufficientCredits(
+        f"Insufficient credits: {_usd(available_nanos)} USD available (balance minus the holds "
+        f"of requests in flight), but this request needs a hold of {_usd(hold_nanos)} USD, its "
+        f"worst-case cost at max_tokens. Lower max_tokens, or add credits.")
+
+
+def _usd(nanos):
+    return format(from_nanos(max(nanos, 0)).normalize(), "f")
+
+
+# -- settlement ----------------------------------------------------------------------------------
 
 @dataclass
 class Outcome:
@@ -185,7 +243,13 @@ class Outcome:
     first_token_at: object = None
 
 
-_PG_SETTLE = sa.text("""
+SETTLE_BACKOFF_S = (0.2, 1.0)  # waits between settlement attempts (connection lost, deadlock)
+
+# Row locks are taken in one order by every statement that touches a pending generation:
+# usage event, then lease, then balance (renewal: event, then lease). The uncorrelated
+# `(SELECT count(*) FROM lease)` is evaluated before the balance row is locked, which pins
+# the order; without it Postgres deletes the lease after updating the balance.
+_PG_SETTLE = """
 WITH event AS (
   UPDATE usage_events
      SET status = :status, prompt_tokens = :prompt, cached_tokens = :cached,
@@ -193,45 +257,70 @@ WITH event AS (
          estimated = :estimated, http_status = :http_status, error = :error,
          backend = COALESCE(:backend, backend),
          first_token_at = COALESCE(:first_token_at, first_token_at), ended_at = :now
-   WHERE id = :gid AND status = 'pending'
+   WHERE id = :gid AND status = 'pending' {only_expired}
   RETURNING org_id, hold_nanos, cost_nanos
 ), lease AS (
   DELETE FROM in_flight WHERE generation_id = :gid AND EXISTS (SELECT 1 FROM event)
+  RETURNING generation_id
 )
 UPDATE credit_balances b
    SET balance_nanos = b.balance_nanos - event.cost_nanos,
        held_nanos = b.held_nanos - event.hold_nanos, in_flight = b.in_flight - 1
-  FROM event WHERE b.org_id = event.org_id
+  FROM event
+ WHERE b.org_id = event.org_id AND (SELECT count(*) FROM lease) >= 0
 RETURNING event.cost_nanos
-""")
+"""
+_ONLY_EXPIRED = ("AND EXISTS (SELECT 1 FROM in_flight "
+                 "WHERE generation_id = :gid AND expires_at < :expired_before)")
+_PG_SETTLE_ANY = sa.text(_PG_SETTLE.format(only_expired=""))
+_PG_SETTLE_EXPIRED = sa.text(_PG_SETTLE.format(only_expired=_ONLY_EXPIRED))
 
 
-def settle(engine, gid, outcome):
+def settle(engine, gid, outcome, expired_before=None):
     """Close usage event ``gid`` with ``outcome``, debit its cost, release hold and lease.
 
-    Exactly once: a second call for the same generation changes nothing and returns None.
-    The debit is capped at the hold, so a balance never goes below zero.
+    Exactly once: a second call for the same generation changes nothing and returns None. The
+    debit is capped at the hold, so a balance never goes below zero nor below open holds. One
+    statement on Postgres; retried (it is idempotent) when the connection drops or on deadlock.
 
-    :returns: the debited cost in nano-dollars, or None when ``gid`` was already settled.
+    :param expired_before: settle only if the lease expired before this time (the sweeper),
+        so that a lease renewed meanwhile is left alone.
+    :returns: the debited cost in nano-dollars, or None when there was nothing to settle.
+    :raises sqlalchemy.exc.SQLAlchemyError: the database stayed unreachable.
     """
     u = outcome.usage
     params = {"gid": gid, "status": outcome.status, "prompt": u.prompt, "cached": u.cached,
               "completion": u.completion, "cost": outcome.cost_nanos, "estimated": u.estimated,
               "http_status": outcome.http_status, "error": outcome.error,
               "backend": outcome.backend, "first_token_at": outcome.first_token_at,
-              "now": utcnow()}
-    if is_postgres(engine):
-        with engine.begin() as conn:
-            row = conn.execute(_PG_SETTLE, params).first()
-        return None if row is None else row[0]
-    return _settle_generic(engine, params)
+              "now": utcnow(), "expired_before": expired_before}
+    for wait_s in SETTLE_BACKOFF_S + (None,):
+        try:
+            return _settle_once(engine, params)
+        except sa.exc.OperationalError:
+            if wait_s is None:
+                raise
+            time.sleep(wait_s)
+
+
+def _settle_once(engine, params):
+    if not is_postgres(engine):
+        return _settle_generic(engine, params)
+    statement = _PG_SETTLE_ANY if params["expired_before"] is None else _PG_SETTLE_EXPIRED
+    with autocommit(engine) as conn:
+        row = conn.execute(statement, params).first()
+    return None if row is None else row[0]
 
 
 def _settle_generic(engine, params):
     ev = usage_events.c
+    pending = [ev.id == params["gid"], ev.status == "pending"]
+    if params["expired_before"] is not None:
+        pending.append(sa.exists().where(in_flight.c.generation_id == params["gid"],
+                                         in_flight.c.expires_at < params["expired_before"]))
     with engine.begin() as conn:
         row = conn.execute(
-            usage_events.update().where(ev.id == params["gid"], ev.status == "pending")
+            usage_events.update().where(*pending)
             .values(status=params["status"], prompt_tokens=params["prompt"],
                     cached_tokens=params["cached"], completion_tokens=params["completion"],
                     cost_nanos=sa.case((ev.hold_nanos < params["cost"], ev.hold_nanos),

@@ -4,6 +4,7 @@ Each entry gives a public model id, limits, input modalities, capabilities, pric
 million tokens, kept as exact decimals) and backends (base URL + upstream model name + weight).
 """
 import random
+import time
 import tomllib
 from dataclasses import dataclass, field
 from decimal import Decimal
@@ -11,18 +12,37 @@ from decimal import Decimal
 from flask import Blueprint, current_app, jsonify
 
 from .auth import require_key
+from .errors import ServiceUnavailable
 
 bp = Blueprint("models", __name__)
 
 
+class Health:
+    """A backend's health as this process sees it: one that refused a connection is left out
+    of rotation for a cooldown, then tried again; any answer puts it back at once."""
+
+    def __init__(self):
+        self.down_until = 0.0  # time.monotonic() seconds
+
+    def is_up(self, now):
+        return now >= self.down_until
+
+    def mark_down(self, cooldown_s):
+        self.down_until = time.monotonic() + cooldown_s
+
+    def mark_up(self):
+        self.down_until = 0.0
+
+
 @dataclass(frozen=True)
 class Backend:
-    """One model server: ``url`` is its OpenAI base URL (ending in ``/v1``)."""
+    """One model server: ``url`` is its OpenAI base URL (ending in ``/v1``); weight 0 drains it."""
 
     url: str
     model: str
     weight: int = 1
     tokenize_url: str = None  # llama.cpp: ``POST {base}/extras/tokenize/count`` for exact counts
+    health: Health = field(default_factory=Health, repr=False, compare=False)
 
 
 @dataclass(frozen=True)
@@ -52,10 +72,19 @@ class ModelEntry:
     _weights: tuple = field(default=(), repr=False)
 
     def pick_backend(self):
-        """Return a backend chosen by weight."""
-        if len(self.backends) == 1:
-            return self.backends[0]
-        return random.choices(self.backends, weights=self._weights)[0]
+        """Return a backend chosen by weight among those in rotation.
+
+        :raises ServiceUnavailable: no backend available: every one is drained (weight 0) or
+            refused its last connection within the cooldown (503, endpoint reference "Errors").
+        """
+        now = time.monotonic()
+        live = [b for b in self.backends if b.weight > 0 and b.health.is_up(now)]
+        if not live:
+            raise ServiceUnavailable(f"No backend is available for model '{self.id}'. Retry "
+                                     f"with exponential backoff.", code="no_backend_available")
+        if len(live) == 1:
+            return live[0]
+        return random.choices(live, weights=[b.weight for b in live])[0]
 
     def public(self):
         """Return the public description served by ``GET /v1/models``."""

@@ -4,15 +4,16 @@ The endpoint reference is the contract; DESIGN.md "Request lifecycle" gives the 
 auth, validation, maintenance, admission, upstream, relay, settlement.
 """
 import json
+import logging
 import time
 
 import gevent
 from flask import Blueprint, Response, current_app, g, request
 from gevent.queue import Empty
 
-from . import limits, ops, upstream
+from . import limits, ops
 from .auth import require_key
-from .billing import Usage, hold_for
+from .billing import Usage, hold_for, new_generation_id
 from .errors import Forbidden, GatewayError, PayloadTooLarge, UpstreamError
 from .relay import (DATA, EOF, FAILED, GENERATION_HEADER, ClientGone, Generation, StreamFailed,
                     status_for)
@@ -21,6 +22,7 @@ from .sse import (DONE, KEEPALIVE, EventSplitter, StreamRules, apply_to_completi
 from .validation import parse_json_body, validate_chat
 
 bp = Blueprint("chat", __name__)
+log = logging.getLogger(__name__)
 
 STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -30,17 +32,19 @@ STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 def chat_completions():
     """Create a chat completion, metered and billed; JSON or an SSE stream."""
     services = current_app.extensions["kiln"]
-    chat = validate_chat(_read_body(services.config), services.catalog, request.content_length
-                         or len(request.get_data(cache=True)))
+    body, body_bytes = _read_body(services.config)
+    chat = validate_chat(body, services.catalog, body_bytes)
     if not g.principal.may_use(chat.entry.id):
         raise Forbidden(f"This API key may not use model '{chat.entry.id}'.", param="model",
                         code="model_not_allowed")
     ops.check_maintenance()
+    chat.backend = chat.entry.pick_backend()  # 503 when none is available, before any charge
     gen = _admit(services, chat)
     try:
         gen.watch_client(request.environ.get("gunicorn.socket"))
         return _start_stream(gen) if chat.stream else _complete(gen)
     except BaseException:
+        gen.close_upstream()
         gen.finish("error", Usage(), 500, "internal error before the response began")
         raise
 
@@ -50,7 +54,7 @@ def _read_body(config):
     if length is not None and length > config.max_body_bytes:
         raise PayloadTooLarge(f"Request body is larger than {config.max_body_bytes} bytes.")
     raw = request.stream.read(config.max_body_bytes + 1) if length is None else request.get_data()
-    return parse_json_body(raw, request.content_type, config.max_body_bytes)
+    return parse_json_body(raw, request.content_type, config.max_body_bytes), len(raw)
 
 
 def _admit(services, chat):
@@ -58,8 +62,11 @@ def _admit(services, chat):
     hold = hold_for(chat.entry, chat.body_bytes, chat.n_messages,
                     (chat.max_tokens or chat.entry.max_output_tokens) * chat.n, chat.has_images)
     t0 = time.monotonic()
-    gid = limits.admit(services.engine, services.catalog, principal, chat.entry.id,
-                       chat.stream, hold, services.config.lease_ttl_s)
+    if not services.config.metering:  # benchmarks only: no lease, no hold, no usage event
+        gid = new_generation_id()
+    else:
+        gid = limits.admit(services.engine, services.catalog, principal, chat.entry.id,
+                           chat.stream, hold, services.config.lease_ttl_s)
     services.metrics.admission.observe(time.monotonic() - t0)
     services.metrics.in_flight.inc()
     return Generation(services, principal, chat, gid, hold)
@@ -70,9 +77,8 @@ def _admit(services, chat):
 def _complete(gen):
     status, http_status, error, usage = "completed", 200, None, Usage()
     try:
-        resp = gen.wait_for(gen.open_upstream())
-        gen.resp = resp
-        obj = _parse_completion(gen.wait_for(gevent.spawn(lambda: resp.content)))
+        gen.wait_for(gen.open_upstream())
+        obj = _parse_completion(gen.read_body())
         gen.mark_first_token()
         usage = _completion_usage(gen, obj)
         apply_to_completion(obj, gen.request.stop, gen.request.single_tool_call)
@@ -80,6 +86,7 @@ def _complete(gen):
         return Response(dumps(obj, gen.price(usage)), content_type="application/json",
                         headers={GENERATION_HEADER: gen.gid})
     except ClientGone:
+        gen.close_upstream()
         status, http_status = "client_cancelled", 499
         usage = Usage(prompt=gen.estimate_prompt(), estimated=True)
         return Response(status=499)
@@ -140,36 +147,51 @@ class StreamBody:
         return self._iter
 
     def close(self):
-        """Close the relay (running its ``finally``), then settle if it never ran."""
-        self._iter.close()
-        if not self.gen.opened_relay:
-            self.gen.finish("client_cancelled", Usage(), 499, "closed before the stream began")
+        """Close the relay (running its ``finally``), then settle if it never ran.
+
+        The server calls this when the response ends, also when writing the headers failed
+        before the first ``next()``: then the upstream request is still open.
+        """
+        try:
+            self._iter.close()
+        finally:
+            if not self.gen.opened_relay:
+                self.gen.close_upstream()
+                self.gen.finish("client_cancelled", _cancelled_usage(self.gen), 499,
+                                "closed before the stream began")
 
 
 def _relay(gen, opener):
+    """Yield the stream's bytes; settle exactly once in ``finally``, whatever ends it."""
     gen.opened_relay = True
     rules = StreamRules(gen.request.include_usage, gen.request.stop,
                         gen.request.single_tool_call, gen.price)
-    status, http_status, error, billable = "completed", 200, None, True
-    pump = None
+    # Anything not listed below (a bug, the worker killing greenlets at shutdown) is an error.
+    status, http_status, error, billable = "error", 500, "the relay stopped unexpectedly", True
     try:
         yield b""  # headers leave now; the keepalive clock starts
-        resp = yield from _await_status(gen, opener)
-        gen.resp = resp
-        pump = gevent.spawn(gen.pump, resp)
+        gen.start_pump((yield from _await_status(gen, opener)))
         yield from _relay_events(gen, rules)
-        yield from _end_stream(gen, rules)
+        _check_complete(rules)
+        status, http_status, error = "completed", 200, None
+        yield _end_of_stream(gen, rules)
     except (ClientGone, GeneratorExit):
-        status, http_status = "client_cancelled", 499
+        if status != "completed":  # gone while [DONE] was written: the generation is whole
+            status, http_status, error = "client_cancelled", 499, None
     except StreamFailed as failure:
-        status, error = failure.status, str(failure)
-        yield _error_event(error, failure.status)
+        status, http_status, error = failure.status, 200, str(failure)
+        yield _error_event(error, _STREAM_CODES.get(failure.status, "upstream_error"))
     except GatewayError as err:
-        status, error, billable = status_for(err), err.message, False
-        yield _error_event(err.message, err.code)
+        status, http_status, error, billable = status_for(err), 200, err.message, False
+        yield _error_event(err.message, err.code, err.type)
+    except Exception:  # noqa: BLE001 - the settlement guard: tell the client, settle, log
+        status, http_status = "error", 500
+        log.exception("stream relay failed for %s", gen.gid)
+        yield _error_event("The gateway failed while relaying the stream.", "internal_error",
+                           "server_error")
     finally:
         try:
-            _close_upstream(gen, opener, pump)
+            gen.close_upstream()
         finally:
             gen.finish(status, _final_usage(gen, rules) if billable else Usage(), http_status,
                        error)
@@ -186,30 +208,33 @@ def _await_status(gen, opener):
 
 
 def _relay_events(gen, rules):
-    config = gen.services.config
+    """Relay upstream events as they arrive; a keepalive after each silent interval."""
+    keepalive_s = gen.services.config.keepalive_s
+    renew_every_s = gen.services.config.lease_ttl_s / 3
     splitter = EventSplitter()
-    renew_every_s = config.lease_ttl_s / 3
-    last_sent = time.monotonic()
-    next_renew = last_sent + renew_every_s
+    now = time.monotonic()
+    next_keepalive, next_renew = now + keepalive_s, now + renew_every_s
     while True:
         now = time.monotonic()
         if now >= next_renew:
             gen.renew_lease(_progress(gen, rules))
             next_renew = now + renew_every_s
         try:
-            kind, data = gen.events.get(timeout=max(0.0, last_sent + config.keepalive_s - now))
+            kind, data = gen.events.get(timeout=max(0.0, min(next_keepalive, next_renew) - now))
         except Empty:
-            yield KEEPALIVE
-            last_sent = time.monotonic()
+            if time.monotonic() >= next_keepalive:
+                yield KEEPALIVE
+                next_keepalive = time.monotonic() + keepalive_s
             continue
         if kind is DATA:
             out, failure = _apply_all(gen, rules, splitter.feed(data))
             if out:
                 yield out
-                last_sent = time.monotonic()
+                next_keepalive = time.monotonic() + keepalive_s
             if failure is not None:
                 raise failure
         elif kind is EOF:
+            rules.done = rules.done or splitter.pending == b"data: " + DONE  # no final blank line
             return
         elif kind is FAILED:
             raise data
@@ -232,16 +257,20 @@ def _apply_all(gen, rules, payloads):
     return b"".join(out), failure
 
 
-def _end_stream(gen, rules):
+def _check_complete(rules):
     if not rules.done and not rules.finished:
         raise StreamFailed("The model backend ended the stream before it was complete.")
-    if gen.request.include_usage and rules.usage is None:
-        usage = _final_usage(gen, rules)
-        chunk = {"id": rules.chunk_id, "object": "chat.completion.chunk",
-                 "created": rules.created, "model": rules.model, "choices": [],
-                 "usage": {**usage.to_openai(), "estimated": True}}
-        yield frame(dumps(chunk, gen.price(usage)))
-    yield frame(DONE)
+
+
+def _end_of_stream(gen, rules):
+    """Return the last bytes of a complete stream: the usage chunk if owed, and ``[DONE]``."""
+    if not (gen.request.include_usage and rules.usage is None):
+        return frame(DONE)
+    usage = _final_usage(gen, rules)
+    chunk = {"id": rules.chunk_id, "object": "chat.completion.chunk",
+             "created": rules.created, "model": rules.model, "choices": [],
+             "usage": {**usage.to_openai(), "estimated": True}}
+    return frame(dumps(chunk, gen.price(usage))) + frame(DONE)
 
 
 def _final_usage(gen, rules):
@@ -254,19 +283,15 @@ def _final_usage(gen, rules):
     return gen.final_usage
 
 
+def _cancelled_usage(gen):
+    # The prompt went to the model server, which may have run its prefill: bill it, estimated.
+    return Usage(prompt=gen.estimate_prompt(), estimated=True)
+
+
 def _progress(gen, rules):
     if rules.usage is not None:
         return Usage.from_openai(rules.usage, estimated=True)
     return Usage(prompt=0, completion=rules.deltas, estimated=True)
-
-
-def _close_upstream(gen, opener, pump):
-    if pump is not None:
-        pump.kill(block=False)
-    if not opener.ready():
-        opener.kill(block=False)
-    if gen.resp is not None:
-        upstream.shutdown(gen.resp)
 
 
 def _upstream_error_message(error):
@@ -275,7 +300,10 @@ def _upstream_error_message(error):
     return "The model backend failed mid-stream."
 
 
-def _error_event(message, code):
-    envelope = {"error": {"message": message, "type": "upstream_error", "param": None,
-                          "code": code}}
+_STREAM_CODES = {"timeout": "upstream_timeout", "upstream_error": "upstream_error"}
+
+
+def _error_event(message, code, kind="upstream_error"):
+    """Return the one SSE event that ends a failed stream: the error envelope, no ``[DONE]``."""
+    envelope = {"error": {"message": message, "type": kind, "param": None, "code": code}}
     return frame(json.dumps(envelope).encode())

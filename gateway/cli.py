@@ -17,7 +17,7 @@ from .config import Config
 from .db import create_engine
 from .limits import sweep_expired
 from .models import orgs
-from .reconcile import reconcile
+from .reconcile import format_table, reconcile
 
 MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
 
@@ -185,11 +185,14 @@ def credits_grant(ctx, org_ref, usd, note):
     except InvalidOperation as err:
         raise click.BadParameter(f"not a decimal amount: {usd!r}") from err
     org_id = find_org(ctx.engine, org_ref)
-    with ctx.engine.begin() as conn:
-        # The same plain INSERT an operator runs in psql; the trigger moves the balance.
-        conn.execute(sa.text("INSERT INTO credit_grants (org_id, amount_usd, note) "
-                             "VALUES (:org, CAST(:amount AS NUMERIC(20, 9)), :note)"),
-                     {"org": org_id, "amount": str(amount), "note": note})
+    try:
+        with ctx.engine.begin() as conn:
+            # The same plain INSERT an operator runs in psql; the trigger moves the balance.
+            conn.execute(sa.text("INSERT INTO credit_grants (org_id, amount_usd, note) "
+                                 "VALUES (:org, CAST(:amount AS NUMERIC(20, 9)), :note)"),
+                         {"org": org_id, "amount": str(amount), "note": note})
+    except sa.exc.IntegrityError as err:  # the grant trigger refused it (migration 0002)
+        raise click.ClickException(str(err.orig).splitlines()[0]) from err
     _show(ctx.engine, org_id)
 
 
@@ -209,13 +212,12 @@ def _show(engine, org_id):
 @credits.command("reconcile")
 @pass_ctx
 def credits_reconcile(ctx):
-    """Check every org: balance = Σ grants − Σ usage costs, holds and leases consistent."""
+    """Check every org: balance = Σ grants − Σ usage costs, holds and leases consistent.
+
+    Prints one line per org; exits 1 naming the orgs that are off (on stderr), else 0.
+    """
     rows, off = reconcile(ctx.engine)
-    click.echo(f"{'org':<24} {'grants_usd':>16} {'costs_usd':>16} {'balance_usd':>16} "
-               f"{'held_usd':>12} {'leases':>6} {'expired':>7}  status")
-    for r in rows:
-        click.echo(f"{r.name:<24} {r.grants_usd:>16} {r.costs_usd:>16} {r.balance_usd:>16} "
-                   f"{r.held_usd:>12} {r.leases:>6} {r.expired:>7}  {r.verdict}")
+    click.echo(format_table(rows))
     if off:
         click.echo(f"OFF: {', '.join(off)}", err=True)
         sys.exit(1)

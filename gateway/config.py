@@ -27,6 +27,7 @@ class Config:
     sweep_interval_s: float = 15.0
     db_pool_size: int = 10
     db_max_overflow: int = 10
+    # False: no lease, no hold, no usage event, no debit. For benchmarks only (bench/metering.py).
     metering: bool = True
     trusted_proxies: str = "127.0.0.1,::1"
     log_requests: bool = True

@@ -35,7 +35,8 @@ def create_engine(config):
         pool_pre_ping=True,
         pool_recycle=1800,
         # pgbouncer in transaction mode needs server-side prepared statements off.
-        connect_args={"prepare_threshold": None, "application_name": "kiln-gateway"},
+        connect_args={"prepare_threshold": None, "application_name": "kiln-gateway",
+                      "connect_timeout": 5},
     )
 
 

@@ -6,7 +6,8 @@ Every error leaves as ``{"error": {"message", "type", "param", "code"}}`` (endpo
 import json
 import logging
 
-from flask import Response
+from flask import Response, g
+from sqlalchemy import exc as sa_exc
 from werkzeug.exceptions import HTTPException
 
 log = logging.getLogger(__name__)
@@ -125,6 +126,7 @@ def register_error_handlers(app):
 
     @app.errorhandler(GatewayError)
     def _gateway_error(err):
+        g.kiln_error_code = err.code  # for the error metrics: a 502 body is plain text
         return err.to_response()
 
     @app.errorhandler(HTTPException)
@@ -133,6 +135,16 @@ def register_error_handlers(app):
         kind = "invalid_request_error" if err.code < 500 else "server_error"
         return json_error(err.code, {"error": {"message": err.description, "type": kind,
                                                "param": None, "code": code}})
+
+    @app.errorhandler(sa_exc.OperationalError)
+    def _database_down(err):
+        # The database is unreachable or failing over: nothing was admitted or charged.
+        log.error("database unavailable: %s", err.orig or err)
+        g.kiln_error_code = "database_unavailable"
+        return json_error(503, {"error": {"message": "Kiln cannot reach its database; retry "
+                                                     "with backoff.", "type": "service_unavailable",
+                                          "param": None, "code": "database_unavailable"}},
+                          {"Retry-After": "5"})
 
     @app.errorhandler(Exception)
     def _unexpected(err):

@@ -5,13 +5,17 @@ success, upstream error, timeout, client gone, or an exception in Kiln itself.
 """
 import json
 import logging
+import select
 import socket
 import time
 from dataclasses import dataclass
 
 import gevent
 from gevent.event import Event
+from gevent.monkey import get_original
 from gevent.queue import Queue
+from gevent.socket import wait_read
+from sqlalchemy.exc import SQLAlchemyError
 from urllib3.exceptions import ReadTimeoutError
 
 from . import limits, upstream
@@ -24,6 +28,12 @@ log = logging.getLogger("kiln.requests")
 GENERATION_HEADER = "X-Neocloud-Generation-Id"
 READ_SIZE = 65536
 DATA, EOF, FAILED, GONE = "data", "eof", "failed", "gone"
+# Linux reports a peer's FIN as POLLRDHUP even while unread bytes (a pipelined next request)
+# sit in the buffer, where a peek would only see those bytes. The unpatched poll, with timeout 0,
+# never blocks the hub.
+_RDHUP = getattr(select, "POLLRDHUP", 0)
+_HANGUP = _RDHUP | select.POLLHUP | select.POLLERR
+_real_poll = get_original("select", "poll")
 
 
 @dataclass(frozen=True)
@@ -58,7 +68,7 @@ class Generation:
         self.request = request
         self.gid = gid
         self.hold_nanos = hold_nanos
-        self.backend = request.entry.pick_backend()
+        self.backend = request.backend or request.entry.pick_backend()
         self.started = time.monotonic()
         self.first_token_s = None
         self.first_token_at = None
@@ -68,16 +78,61 @@ class Generation:
         self.final_usage = None   # Usage billed, once known
         self.opened_relay = False  # the stream body started running
         self._watcher = None
+        self._opener = None
+        self._pump = None
+        self._upstream_closed = False
+        self._aborted = False
         self._settled = False
+        self._renewed_at = self.started
+        self._renewing = False  # the renewer is inside a database call: do not kill it there
+        self._renewer = gevent.spawn(self._renew_lease_until_settled) \
+            if services.config.metering else None
 
     # -- upstream and client ---------------------------------------------------------------
 
     def open_upstream(self):
-        """Start the upstream request in a greenlet; return it (its value is the response)."""
+        """Start the upstream request in a greenlet; return it (its value is the response).
+
+        The response is also kept as :attr:`resp` the moment it exists, so that the client
+        watcher can abort it.
+        """
+        self._opener = gevent.spawn(self._open)
+        return self._opener
+
+    def _open(self):
         config = self.services.config
         timeouts = (config.upstream_connect_timeout_s, config.upstream_read_timeout_s)
-        return gevent.spawn(upstream.open_chat, self.services.session, self.backend,
-                            self.request.body, timeouts)
+        sent = time.monotonic()
+        try:
+            resp = upstream.open_chat(self.services.session, self.backend, self.request.body,
+                                      timeouts)
+        finally:  # the backend's answer (status line or failure); a cancelled wait is none
+            if not (self.gone.is_set() or self._upstream_closed):
+                self.services.metrics.upstream_latency.labels(self.request.entry.id).observe(
+                    time.monotonic() - sent)
+        self.resp = resp
+        if self.gone.is_set() or self._upstream_closed:
+            self._abort(resp)  # the client left while the status line was on its way
+        return resp
+
+    def close_upstream(self):
+        """Stop the reader and the opener, then abort the upstream response (the model server
+        sees its connection close and stops generating). Safe to call twice, from any greenlet
+        but those two.
+        """
+        self._upstream_closed = True
+        for greenlet in (self._pump, self._opener):
+            if greenlet is not None and not greenlet.ready():
+                # Blocking kill: closing a response while a greenlet is inside its buffered
+                # read fails ("reentrant call") and would leave the connection open.
+                greenlet.kill()
+        if self.resp is not None:
+            self._abort(self.resp)
+
+    def _abort(self, resp):
+        if not self._aborted:  # a second shutdown of a closed urllib3 response raises
+            self._aborted = True
+            upstream.shutdown(resp)
 
     def watch_client(self, sock):
         """Notice the client leaving while Kiln waits on the upstream (not only on a write)."""
@@ -87,16 +142,15 @@ class Generation:
     def _watch(self, sock):
         try:
             while True:
-                gevent.socket.wait_read(sock.fileno())
-                if sock.recv(1, socket.MSG_PEEK) == b"":
+                wait_read(sock.fileno())
+                if _peer_closed(sock):
                     break
-                gevent.sleep(0.25)  # bytes of a next request: look again later
-        except OSError:
-            pass
+                gevent.sleep(0.25)  # bytes of a pipelined next request: look again later
+        except (OSError, ValueError):
+            pass  # reset, or the socket is already closed: the client is gone
         self.gone.set()
         self.events.put((GONE, None))
-        if self.resp is not None:
-            upstream.shutdown(self.resp)
+        self.close_upstream()
 
     def wait_for(self, greenlet):
         """Return ``greenlet``'s value, or raise :class:`ClientGone` if the client leaves first."""
@@ -105,6 +159,17 @@ class Generation:
             greenlet.kill(block=False)
             raise ClientGone()
         return greenlet.get()
+
+    def start_pump(self, resp):
+        """Start reading the upstream body into :attr:`events` in a greenlet."""
+        self._pump = gevent.spawn(self.pump, resp)
+
+    def read_body(self):
+        """Return the whole upstream body (bytes); raise :class:`ClientGone` if the client
+        leaves first."""
+        resp = self.resp
+        self._pump = gevent.spawn(lambda: resp.content)
+        return self.wait_for(self._pump)
 
     def pump(self, resp):
         """Read the upstream body into :attr:`events` as it arrives (runs in a greenlet)."""
@@ -119,7 +184,7 @@ class Generation:
             self.events.put((FAILED, StreamFailed("The model backend stopped sending (read "
                                                   "timeout).", status="timeout")))
         except Exception as err:  # noqa: BLE001 - any read failure ends the stream as an error
-            if not self.gone.is_set():
+            if not (self.gone.is_set() or self._upstream_closed):
                 self.events.put((FAILED, StreamFailed(f"The model backend connection failed: "
                                                       f"{type(err).__name__}.")))
 
@@ -147,8 +212,38 @@ class Generation:
         return max(1, len(text.encode()) // 4) + 4 * self.request.n_messages
 
     def renew_lease(self, usage):
-        """Renew the in-flight lease and store progress for the sweeper."""
-        limits.renew(self.services.engine, self.gid, self.services.config.lease_ttl_s, usage)
+        """Renew the in-flight lease and store progress for the sweeper; return False once the
+        lease is gone.
+
+        Best effort: a database hiccup must not cut a live stream; a lease that then expires is
+        closed by the sweeper, and this stream's own settlement finds it settled.
+        """
+        self._renewed_at = time.monotonic()
+        if not self.services.config.metering:  # benchmarks only: there is no lease
+            return True
+        try:
+            return limits.renew(self.services.engine, self.gid, self.services.config.lease_ttl_s,
+                                usage)
+        except SQLAlchemyError:
+            log.warning("lease renewal failed for %s", self.gid, exc_info=True)
+            return True
+
+    def _renew_lease_until_settled(self):
+        """Keep the lease renewed every third of the TTL from admission to settlement, whatever
+        the request is doing (waiting for a status line, a long non-stream answer). While the
+        stream relay renews (with progress), this greenlet only waits."""
+        every_s = self.services.config.lease_ttl_s / 3
+        while not self._settled:
+            due_in_s = self._renewed_at + every_s - time.monotonic()
+            if due_in_s > 0:
+                gevent.sleep(due_in_s)
+                continue
+            self._renewing = True
+            try:
+                if not self.renew_lease(None):
+                    return
+            finally:
+                self._renewing = False
 
     def finish(self, status, usage, http_status, error=None):
         """Settle once: final status, tokens, exact cost; release hold and lease; log and count.
@@ -158,14 +253,19 @@ class Generation:
         if self._settled:
             return
         self._settled = True
-        if self._watcher is not None:
-            self._watcher.kill(block=False)
+        # A renewer caught inside a database call finishes it and stops by itself: killed
+        # there, it would waste the pooled connection.
+        renewer = None if self._renewing else self._renewer
+        for greenlet in (self._watcher, renewer):
+            if greenlet is not None:
+                greenlet.kill(block=False)
         cost = to_nanos(self.price(usage))
         outcome = Outcome(status=status, usage=usage, cost_nanos=cost, http_status=http_status,
                           error=error, backend=self.backend.url, first_token_at=self.first_token_at)
         t0 = time.monotonic()
         try:
-            settle(self.services.engine, self.gid, outcome)
+            if self.services.config.metering:  # off only for benchmarks (KILN_METERING)
+                settle(self.services.engine, self.gid, outcome)
         except Exception:  # noqa: BLE001 - the settlement guard: the sweeper will close it
             log.exception("settlement failed for %s; the sweeper will close it", self.gid)
         self._observe(outcome, time.monotonic() - t0)
@@ -185,6 +285,8 @@ class Generation:
             log.info(json.dumps(self._log_record(outcome)))
 
     def _log_record(self, outcome):
+        # No error text: a backend's message can quote the prompt (a 422 ``detail`` echoes the
+        # input). The usage event keeps the text; the log says only that there was one.
         u = outcome.usage
         return {"event": "generation", "generation_id": self.gid, "org_id": self.principal.org_id,
                 "key_prefix": self.principal.key_prefix, "model": self.request.entry.id,
@@ -194,7 +296,17 @@ class Generation:
                 "completion_tokens": u.completion, "estimated": u.estimated,
                 "cost_usd": str(from_nanos(outcome.cost_nanos)),
                 "ttft_ms": _ms(self.first_token_s),
-                "duration_ms": _ms(time.monotonic() - self.started), "error": outcome.error}
+                "duration_ms": _ms(time.monotonic() - self.started),
+                "has_error": outcome.error is not None}
+
+
+def _peer_closed(sock):
+    """Return whether the client closed its side (called once ``sock`` is readable)."""
+    if _RDHUP:
+        poller = _real_poll()
+        poller.register(sock.fileno(), select.POLLIN | _HANGUP)
+        return any(events & _HANGUP for _, events in poller.poll(0))
+    return sock.recv(1, socket.MSG_PEEK) == b""
 
 
 def _ms(seconds):

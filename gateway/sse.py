@@ -5,34 +5,42 @@ inside a multi-byte character or between the two newlines that end an event chan
 (WHATWG HTML, "Server-sent events"). Comment, ``event:``, ``id:`` and ``retry:`` lines are
 dropped. A chunk that Kiln does not need to change leaves with its ``data`` payload unchanged,
 byte for byte; Kiln changes only usage (strip it, or add ``cost``), stop strings, and the
-single-tool-call rule.
+single-tool-call rule. Usage is stripped or priced by editing the payload bytes in place, so even
+then every other field keeps its exact bytes; only a stop cut or a dropped tool call re-serialises
+the chunk.
 """
 import json
 
 DONE = b"[DONE]"
 KEEPALIVE = b": keepalive\n\n"
 _COST_MARK = "\x00kiln-cost\x00"
+_DECODER = json.JSONDecoder()
+_WS = b" \t\r\n"
 
 
 class EventSplitter:
-    """Accumulate bytes and return whole events' ``data`` payloads."""
+    """Accumulate bytes and return whole events' ``data`` payloads.
+
+    Lines may end in LF, CRLF or CR (the SSE grammar allows all three), also mixed, and a CRLF
+    may be split between two reads.
+    """
 
     def __init__(self):
         self._buf = b""
+        self._after_cr = False  # the last read ended in CR: a leading LF is the rest of a CRLF
 
     def feed(self, data):
         """Add ``data``; return the list of complete data payloads (bytes) now available.
 
-        Events with no ``data`` line (comments, keepalives) yield nothing.
+        Events with no ``data`` line (comments, keepalives, ``retry:``) yield nothing.
         """
-        buf = self._buf + data
-        if b"\r" in buf:
-            # Normalise CRLF and CR framing; hold a trailing CR back, it may start a CRLF.
-            held = buf.endswith(b"\r")
-            buf = buf[:-1] if held else buf
-            buf = buf.replace(b"\r\n", b"\n").replace(b"\r", b"\n") + (b"\r" if held else b"")
-        *events, self._buf = buf.split(b"\n\n")
-        return [p for p in map(_data_payload, events) if p is not None]
+        if self._after_cr and data[:1] == b"\n":
+            data = data[1:]
+        self._after_cr = data[-1:] == b"\r"
+        if b"\r" in data:
+            data = data.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        *events, self._buf = (self._buf + data).split(b"\n\n")
+        return [p for p in map(_data_payload, events) if p is not None] if events else []
 
     @property
     def pending(self):
@@ -53,17 +61,71 @@ def frame(payload):
     return b"data: " + payload + b"\n\n"
 
 
-def dumps(obj, cost_usd=None):
-    """Serialise ``obj`` compactly; with ``cost_usd`` (Decimal) set ``usage.cost`` exactly.
+def _cost_literal(cost_usd):
+    # JSON has no decimal type; write a plain decimal literal, never through a binary float.
+    return format(cost_usd.normalize(), "f")
 
-    JSON has no decimal type; the cost is written as a plain decimal literal, never through a
-    binary float.
-    """
+
+def dumps(obj, cost_usd=None):
+    """Serialise ``obj`` compactly; with ``cost_usd`` (Decimal) set ``usage.cost`` exactly."""
     if cost_usd is None:
         return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
     obj["usage"]["cost"] = _COST_MARK
     text = json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
-    return text.replace(json.dumps(_COST_MARK), format(cost_usd.normalize(), "f")).encode()
+    return text.replace(json.dumps(_COST_MARK), _cost_literal(cost_usd)).encode()
+
+
+def member_span(payload, key):
+    """Locate the top-level member ``key`` of the JSON object ``payload`` (bytes), in place.
+
+    :param key: bytes, an ASCII member name.
+    :returns: ``(member start, value start, value end)`` byte offsets, or None when the name
+        occurs other than exactly once (then the caller re-serialises instead).
+    """
+    needle = b'"' + key + b'"'
+    start = payload.find(needle)
+    if start < 0 or payload.find(needle, start + 1) >= 0:
+        return None
+    if payload[:start].rstrip(_WS)[-1:] not in (b"{", b","):
+        return None  # the name is inside a string, not a member name
+    rest = payload[start + len(needle):].lstrip(_WS)
+    if rest[:1] != b":":
+        return None
+    value_start = len(payload) - len(rest[1:].lstrip(_WS))
+    if payload.startswith(b"null", value_start):
+        return start, value_start, value_start + 4
+    try:
+        tail = payload[value_start:].decode()
+        _, end = _DECODER.raw_decode(tail)
+    except ValueError:
+        return None
+    return start, value_start, value_start + len(tail[:end].encode())
+
+
+def without_member(payload, key):
+    """Return ``payload`` with top-level member ``key`` removed, other bytes unchanged (or None)."""
+    span = member_span(payload, key)
+    if span is None:
+        return None
+    start, _, end = span
+    after = len(payload) - len(payload[end:].lstrip(_WS))
+    if payload[after:after + 1] == b",":
+        return payload[:start] + payload[after + 1:]
+    before = len(payload[:start].rstrip(_WS)) - 1
+    if payload[before:before + 1] == b",":
+        return payload[:before] + payload[end:]
+    return payload[:start] + payload[end:]
+
+
+def with_cost(payload, cost_usd):
+    """Return ``payload`` with ``"cost": cost_usd`` added to its ``usage`` object (or None)."""
+    span = member_span(payload, b"usage")
+    if span is None or payload[span[1]:span[1] + 1] != b"{":
+        return None
+    _, value_start, end = span
+    close = end - 1
+    sep = b"," if payload[value_start + 1:close].strip(_WS) else b""
+    return payload[:close] + sep + b'"cost":' + _cost_literal(cost_usd).encode() + payload[close:]
 
 
 class StopCutter:
@@ -114,6 +176,9 @@ def cut_at_stop(text, stops):
 class StreamRules:
     """Apply Kiln's rules to each upstream data payload of a chat stream, and meter it.
 
+    One ``json.loads`` per event; a chunk is re-serialised only when a stop cut or the
+    single-tool-call rule changed its choices.
+
     :param include_usage: the client asked for usage; otherwise no chunk keeps a usage field.
     :param stops: stop strings to enforce (may be empty).
     :param single_tool_call: keep only the first tool call (``index`` 0).
@@ -143,8 +208,9 @@ class StreamRules:
             return frame(payload)
         if not isinstance(obj, dict):
             return frame(payload)
-        if "error" in obj and not obj.get("choices"):
-            self.error = obj["error"]
+        if ("error" in obj or obj.get("object") == "error") and not obj.get("choices"):
+            # {"error": {...}} (vLLM, SGLang, llama.cpp) or a bare {"object": "error", ...}
+            self.error = obj.get("error") or obj
             return None
         return self._apply(obj, payload)
 
@@ -153,23 +219,35 @@ class StreamRules:
             self.chunk_id, self.created, self.model = obj.get("id"), obj.get("created"), obj.get(
                 "model")
         usage = obj.get("usage")
-        had_choices = bool(obj.get("choices"))
-        changed = False
-        if usage is not None:
+        if isinstance(usage, dict):
             self.usage = usage
-        if "usage" in obj and not (self.include_usage and usage is not None):
-            del obj["usage"]
-            changed = True
         choices = obj.get("choices")
-        if isinstance(choices, list):
+        rewritten = False
+        if isinstance(choices, list) and choices:
             self._meter(choices)
             if self.cutter or self.single_tool_call:
-                changed |= self._rewrite(obj, choices)
-        if changed and not obj.get("choices") and "usage" not in obj and (had_choices or usage):
-            return None
-        if usage is not None and "usage" in obj:
-            return frame(dumps(obj, self.price(usage)))
-        return frame(dumps(obj)) if changed else frame(payload)
+                rewritten = self._rewrite(obj, choices)
+                if not obj["choices"] and not (self.include_usage and isinstance(usage, dict)):
+                    return None  # every choice of this chunk was already ended at a stop string
+        if "usage" in obj:
+            return self._usage_chunk(obj, payload, rewritten)
+        return frame(dumps(obj)) if rewritten else frame(payload)
+
+    def _usage_chunk(self, obj, payload, rewritten):
+        usage = obj["usage"]
+        if not self.include_usage:
+            if usage is not None and not obj.get("choices"):
+                return None  # the usage chunk the client did not ask for
+            stripped = None if rewritten else without_member(payload, b"usage")
+            if stripped is not None:
+                return frame(stripped)
+            del obj["usage"]
+            return frame(dumps(obj))
+        if not isinstance(usage, dict):
+            return frame(dumps(obj)) if rewritten else frame(payload)
+        cost = self.price(usage)
+        priced = None if rewritten or "cost" in usage else with_cost(payload, cost)
+        return frame(priced if priced is not None else dumps(obj, cost))
 
     def _meter(self, choices):
         for choice in choices:
@@ -182,45 +260,57 @@ class StreamRules:
                 self.finished.add(choice.get("index", 0))
 
     def _rewrite(self, obj, choices):
-        kept = []
+        """Apply stop strings and the single-tool-call rule; return whether anything changed."""
+        changed, kept = False, []
         for choice in choices:
             if not isinstance(choice, dict):
                 kept.append(choice)
                 continue
             index = choice.get("index", 0)
             if self.cutter and index in self.cutter.finished:
+                changed = True
                 continue  # Kiln already ended this choice at a stop string
             delta = choice.get("delta")
             if isinstance(delta, dict):
                 if self.cutter:
-                    self._cut(choice, delta, index)
+                    changed |= self._cut(choice, delta, index)
                 if self.single_tool_call:
-                    _first_tool_call_only(delta)
+                    changed |= _first_tool_call_only(delta)
             kept.append(choice)
-        obj["choices"] = kept
-        return True
+        if changed:
+            obj["choices"] = kept
+        return changed
 
     def _cut(self, choice, delta, index):
+        changed = False
         content = delta.get("content")
         if isinstance(content, str) and content:
-            delta["content"], hit = self.cutter.feed(index, content)
+            text, hit = self.cutter.feed(index, content)
             if hit:
-                choice["finish_reason"] = "stop"
-                return
+                delta["content"], choice["finish_reason"] = text, "stop"
+                return True
+            if text != content:
+                delta["content"], changed = text, True
         if choice.get("finish_reason"):
             rest = self.cutter.flush(index)
             if rest:
-                delta["content"] = (delta.get("content") or "") + rest
+                delta["content"], changed = (delta.get("content") or "") + rest, True
+        return changed
 
 
 def _first_tool_call_only(container):
+    """Keep only the tool call of ``index`` 0; return whether ``container`` changed."""
     calls = container.get("tool_calls")
-    if isinstance(calls, list) and len(calls) > 0:
-        first = [c for c in calls if isinstance(c, dict) and c.get("index", 0) == 0]
-        if first:
-            container["tool_calls"] = first
-        else:
-            del container["tool_calls"]
+    if not isinstance(calls, list) or not calls:
+        return False
+    first = [c for c in calls if isinstance(c, dict) and c.get("index", 0) == 0]
+    if len(first) == len(calls):
+        return False
+    if first:
+        container["tool_calls"] = first
+    else:
+        del container["tool_calls"]
+    return True
 
 
 def apply_to_completion(obj, stops, single_tool_call):

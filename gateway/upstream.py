@@ -10,6 +10,7 @@ from requests.adapters import HTTPAdapter
 from .errors import ServiceUnavailable, UpstreamError, UpstreamRejected, UpstreamTimeout
 
 CHAT_PATH = "/chat/completions"
+DOWN_COOLDOWN_S = 5.0  # a backend that refused a connection sits out this long (503 meanwhile)
 
 
 def create_session(pool_size):
@@ -37,16 +38,26 @@ def open_chat(session, backend, body, timeouts_s):
     try:
         resp = session.post(backend.url.rstrip("/") + CHAT_PATH, data=payload, stream=True,
                             timeout=timeouts_s, headers={"Content-Type": "application/json"})
-    except requests.Timeout as err:
-        raise UpstreamTimeout("The model backend did not answer in time.") from err
     except requests.RequestException as err:
+        if _unreachable(err):
+            backend.health.mark_down(DOWN_COOLDOWN_S)
+        if isinstance(err, requests.Timeout):
+            raise UpstreamTimeout("The model backend did not answer in time.") from err
         raise UpstreamError("The model backend is unreachable.") from err
+    backend.health.mark_up()
     if resp.status_code >= 400:
         try:
             raise error_for(resp.status_code, _read_small(resp))
         finally:
             resp.close()
     return resp
+
+
+def _unreachable(err):
+    """True when no connection could be made (refused, no route, connect timeout); a reset of
+    an open connection is a backend error, not an absent backend."""
+    reason = getattr(err.args[0], "reason", None) if err.args else None
+    return isinstance(reason, urllib3.exceptions.ConnectTimeoutError)
 
 
 def error_for(status, body):

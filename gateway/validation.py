@@ -10,8 +10,6 @@ from dataclasses import dataclass
 from .errors import InvalidRequest, ModelNotFound, PayloadTooLarge, UnsupportedParameter
 
 ROLES = ("system", "user", "assistant", "tool")
-TRUE_STREAM = (True, "true", 1)
-FALSE_STREAM = (False, "false", 0, None)
 REASONING_EFFORTS = ("low", "medium", "high")
 RANGES = {"temperature": (0, 2), "top_p": (0, 1),
           "presence_penalty": (-2, 2), "frequency_penalty": (-2, 2)}
@@ -33,6 +31,7 @@ class ChatRequest:
     has_images: bool
     max_tokens: int = None
     n: int = 1
+    backend: object = None   # gateway.catalog.Backend, picked before admission (503 if none)
 
 
 def parse_json_body(raw, content_type, max_body_bytes):
@@ -49,12 +48,18 @@ def parse_json_body(raw, content_type, max_body_bytes):
     if not raw.strip():
         raise InvalidRequest("Request body is empty: send a JSON object.", code="invalid_json")
     try:
-        body = json.loads(raw)
+        body = json.loads(raw, parse_constant=_reject_constant)
     except (ValueError, UnicodeDecodeError) as err:
         raise InvalidRequest(f"Request body is not valid JSON: {err}", code="invalid_json") from err
     if not isinstance(body, dict):
         raise InvalidRequest("Request body must be a JSON object.", code="invalid_json")
     return body
+
+
+def _reject_constant(name):
+    # Python's json reads NaN and Infinity, which are not JSON (RFC 8259) and which the
+    # backend could not read back once forwarded.
+    raise ValueError(f"{name} is not a JSON number")
 
 
 def validate_chat(body, catalog, body_bytes):
@@ -126,14 +131,12 @@ def _message(i, message, entry):
     content = message.get("content")
     if role == "system":
         _require_string(content, f"{where}.content")
-    elif role == "user":
-        return _user_content(content, where, entry)
-    elif role == "assistant":
-        _assistant(message, content, where)
-    else:
+        return False
+    if role == "assistant":
+        return _assistant(message, content, where, entry)
+    if role == "tool":
         _require_string(message.get("tool_call_id"), f"{where}.tool_call_id")
-        _text_or_parts(content, f"{where}.content")
-    return False
+    return _text_or_parts(content, f"{where}.content", entry)
 
 
 def _require_string(value, param):
@@ -145,50 +148,48 @@ def _require_string(value, param):
                              code="invalid_type")
 
 
-def _text_or_parts(content, param):
-    if isinstance(content, list):
-        return
-    _require_string(content, param)
-
-
-def _user_content(content, where, entry):
-    if isinstance(content, str):
-        return False
+def _text_or_parts(content, param, entry):
+    """Check a string or an array of content parts (forwarded unchanged); return whether it
+    holds an image part."""
     if not isinstance(content, list):
-        _require_string(content, f"{where}.content")
+        _require_string(content, param)
+        return False
     has_images = False
     for j, part in enumerate(content):
-        param = f"{where}.content[{j}]"
+        where = f"{param}[{j}]"
         if not isinstance(part, dict) or not isinstance(part.get("type"), str):
-            raise InvalidRequest(f"Invalid '{param}': expected a content part object with a "
-                                 f"'type'.", param=param, code="invalid_type")
+            raise InvalidRequest(f"Invalid '{where}': expected a content part object with a "
+                                 f"'type'.", param=where, code="invalid_type")
         if part["type"] == "image_url":
             if "image" not in entry.input:
                 # The reference warns images fail silently on text-only models; refuse instead.
                 raise UnsupportedParameter(
-                    f"Invalid '{param}': model '{entry.id}' does not accept image input.",
-                    param=param)
+                    f"Invalid '{where}': model '{entry.id}' does not accept image input.",
+                    param=where)
             has_images = True
     return has_images
 
 
-def _assistant(message, content, where):
+def _assistant(message, content, where, entry):
     tool_calls = message.get("tool_calls")
     if tool_calls is not None and not isinstance(tool_calls, list):
         raise InvalidRequest(f"Invalid '{where}.tool_calls': expected an array.",
                              param=f"{where}.tool_calls", code="invalid_type")
     if content is None and tool_calls:
-        return
-    _text_or_parts(content, f"{where}.content")
+        return False  # a tool-call reply: content may be null or absent (reference)
+    return _text_or_parts(content, f"{where}.content", entry)
 
 
 def _stream(value):
-    if any(value is v or (type(value) is type(v) and value == v) for v in TRUE_STREAM):
+    """Read ``stream`` as the reference does: ``true``, ``"true"``, ``1`` are true; ``false``,
+    ``"false"``, ``0``, ``null`` are false; nothing else (not ``"1"``, ``1.0``, ``"True"``)."""
+    if value is True or value == "true" or (_is_int(value) and value == 1):
         return True
-    if any(value is v or (type(value) is type(v) and value == v) for v in FALSE_STREAM):
+    if value is False or value is None or value == "false" or (_is_int(value) and value == 0):
         return False
-    raise InvalidRequest("Invalid 'stream': expected true or false.", param="stream",
-                         code="invalid_type")
+    code = "invalid_value" if isinstance(value, str) or _is_int(value) else "invalid_type"
+    raise InvalidRequest("Invalid 'stream': expected true or false (also \"true\", \"false\", "
+                         "1 or 0).", param="stream", code=code)
 
 
 def _stream_options(body, stream, forward):

@@ -256,6 +256,7 @@ class RequestRecord:
     conn_id: int  # same value == same TCP connection
     closed_at: float | None = None  # client closed/reset during or after the response
     completed: bool = False  # the script ran to its end
+    sent_at: list = dataclasses.field(default_factory=list)  # when each body Send went out
 
 
 def _parse_json(body: bytes) -> Any:
@@ -569,6 +570,8 @@ class FakeUpstream:
                     sock.sendall(step.data)
                 elif step.data:  # an empty chunk would terminate the body
                     sock.sendall(b"%x\r\n%s\r\n" % (len(step.data), step.data))
+                if framing is not None:
+                    record.sent_at.append(time.monotonic())
             elif isinstance(step, Sleep):
                 if self._watch(sock, step.seconds):
                     self._mark_closed(record)
