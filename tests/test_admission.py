@@ -1,0 +1,427 @@
+"""Admission on Postgres under concurrency and faults (issue 4, "Tests"): the in-flight limit is
+exact across gunicorn processes, leases are released on every path and reclaimed after a worker
+dies, holds never let an org spend credits it does not have, and SQL top-ups lose nothing."""
+import functools
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from decimal import Decimal
+from pathlib import Path
+
+import psycopg
+import pytest
+import requests
+import sqlalchemy as sa
+
+from fake_upstream import (Close, Hang, Reset, Send, Sleep, Status, chat_chunk, chat_completion,
+                           default_script, error_reply, json_reply, sse_event)
+from gateway.billing import Usage, cost_usd, from_nanos, hold_for, to_nanos
+from gateway.catalog import load_catalog
+from gateway_proc import balance_nanos, make_org, usage_event, wait_until
+
+CHAT = "/v1/chat/completions"
+MESSAGES = [{"role": "user", "content": "Say hello"}]
+SSE_HEAD = Status(200, {"Content-Type": "text/event-stream"})
+LIMIT = 8  # KILN_DEFAULT_IN_FLIGHT_LIMIT
+KILN = str(Path(sys.executable).with_name("kiln"))
+FINAL = {"completed", "client_cancelled", "upstream_error", "timeout", "abandoned", "error"}
+
+
+# -- helpers ---------------------------------------------------------------------------------
+
+def concurrently(n, fn, timeout_s=120):
+    """Run ``fn(i)`` for i in range(n) in n threads released together; return the results."""
+    barrier = threading.Barrier(n)
+
+    def run(i):
+        barrier.wait(timeout=timeout_s)
+        return fn(i)
+    with ThreadPoolExecutor(max_workers=n) as pool:
+        return list(pool.map(run, range(n), timeout=timeout_s))
+
+
+def post(base_url, org, body, stream=False, timeout=60):
+    """POST a chat request; ``body`` is a dict, or bytes sent as they are."""
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return requests.post(base_url + CHAT, data=data, stream=stream, timeout=timeout,
+                         headers={**org.headers, "Content-Type": "application/json"})
+
+
+def stream_body(model="fake-model", **extra):
+    return {"model": model, "messages": MESSAGES, "stream": True, **extra}
+
+
+def org_state(engine, org_id):
+    """Return ``(lease rows, in_flight counter, held_nanos)`` of an org."""
+    with engine.connect() as conn:
+        leases = conn.execute(sa.text("SELECT count(*) FROM in_flight WHERE org_id = :o"),
+                              {"o": org_id}).scalar_one()
+    _balance, held, counter = balance_nanos(engine, org_id)
+    return leases, counter, held
+
+
+def quiet(engine, org_id, timeout_s=20):
+    """Wait until the org has no lease, no hold and no pending usage event."""
+    def check():
+        with engine.connect() as conn:
+            pending = conn.execute(sa.text("SELECT count(*) FROM usage_events WHERE org_id = :o "
+                                           "AND status = 'pending'"), {"o": org_id}).scalar_one()
+        return org_state(engine, org_id) == (0, 0, 0) and pending == 0
+    wait_until(check, timeout_s=timeout_s)
+
+
+def events_of(engine, org_id):
+    with engine.connect() as conn:
+        return [dict(r) for r in conn.execute(sa.text(
+            "SELECT * FROM usage_events WHERE org_id = :o ORDER BY started_at"),
+            {"o": org_id}).mappings()]
+
+
+def assert_ledger(engine, org_id, grants_nanos):
+    """The org's balance is exactly its grants minus the costs of its usage events."""
+    costs = sum(e["cost_nanos"] for e in events_of(engine, org_id))
+    assert balance_nanos(engine, org_id)[0] == grants_nanos - costs
+
+
+def assert_eight_then_429(base_url, fake, org, engine):
+    """The org can run exactly LIMIT requests at once: all admitted, the next one is 429."""
+    for _ in range(LIMIT):
+        fake.enqueue([SSE_HEAD, Hang()])
+    streams = concurrently(LIMIT, lambda i: post(base_url, org, stream_body(), stream=True))
+    try:
+        assert [r.status_code for r in streams] == [200] * LIMIT
+        wait_until(lambda: fake.active == LIMIT)
+        extra = post(base_url, org, stream_body())
+        assert extra.status_code == 429
+        assert extra.json()["error"]["code"] == "rate_limit_exceeded"
+    finally:
+        for r in streams:
+            r.close()
+    quiet(engine, org.id)
+
+
+def read_until_data(resp, limit=50):
+    """Read SSE lines until the first ``data:`` line; return it."""
+    lines = resp.iter_lines()
+    for _ in range(limit):
+        line = next(lines)
+        if line.startswith(b"data:"):
+            return line
+    raise AssertionError("no data line")
+
+
+# -- the in-flight limit across processes ------------------------------------------------------
+
+def test_200_concurrent_across_two_gateways_never_exceed_the_limit(start_gateway, fake, engine):
+    """Two gunicorn masters (two workers each) on one database behave as one gateway: the
+    upstream never sees more than 8 of one org's requests; the rest get 429 and leave nothing;
+    afterwards no lease remains. Twice in a row, on the same org."""
+    gateways = [start_gateway(workers=2), start_gateway(workers=2)]
+    org = make_org(engine, f"burst-{uuid.uuid4().hex[:8]}", usd="100")
+    fake.default = functools.partial(default_script, hold_s=3.0)
+    body = {"model": "fake-model", "messages": MESSAGES, "max_tokens": 16}
+    admitted_total = 0
+    for _round in range(2):
+        fake.reset_stats()
+        seen = len(fake.requests)
+        responses = concurrently(200, lambda i: post(gateways[i % 2].base_url, org, body))
+        codes = [r.status_code for r in responses]
+        assert set(codes) <= {200, 429}, codes
+        admitted = codes.count(200)
+        assert LIMIT <= admitted < 200 and fake.max_active == LIMIT
+        assert len(fake.requests) - seen == admitted  # every 429 stayed out of the upstream
+        for r in responses:
+            if r.status_code == 429:
+                assert r.json()["error"]["code"] == "rate_limit_exceeded"
+                assert not [h for h in r.headers if h.lower().startswith(
+                    ("x-ratelimit", "retry-after"))]
+        quiet(engine, org.id)
+        admitted_total += admitted
+        events = events_of(engine, org.id)
+        assert len(events) == admitted_total  # a rejected request writes no usage event
+        assert {e["status"] for e in events} == {"completed"}
+    assert_ledger(engine, org.id, 100 * 10**9)
+
+
+# -- leases are released on every path ---------------------------------------------------------
+
+def _abort_stream_mid_relay(base_url, fake, org):
+    fake.enqueue([SSE_HEAD, Send(sse_event(chat_chunk("a", role="assistant"))), Hang()])
+    with post(base_url, org, stream_body(), stream=True) as r:
+        assert r.status_code == 200
+        read_until_data(r)
+
+
+def _abort_before_status(base_url, fake, org, stream):
+    fake.enqueue([Hang()])  # no status line: the client gives up first
+    with pytest.raises(requests.exceptions.ReadTimeout):
+        post(base_url, org, stream_body() if stream else {"model": "fake-model",
+                                                           "messages": MESSAGES}, timeout=1.0)
+
+
+def _upstream_fault(base_url, fake, org, script, stream, expect):
+    fake.enqueue(script)
+    body = stream_body() if stream else {"model": "fake-model", "messages": MESSAGES}
+    with post(base_url, org, body, stream=stream) as r:
+        assert r.status_code == expect
+        if stream and expect == 200:
+            text = r.content.decode()
+            assert '"error"' in text and "[DONE]" not in text
+
+
+def _rejected(base_url, org, body, expect):
+    r = post(base_url, org, body)
+    assert r.status_code == expect and "error" in r.json()
+
+
+def faults(base_url, fake, org):
+    """Every way a request can end badly, each once."""
+    chunk = Send(sse_event(chat_chunk("a", role="assistant")))
+    _abort_stream_mid_relay(base_url, fake, org)
+    _abort_before_status(base_url, fake, org, stream=True)
+    _abort_before_status(base_url, fake, org, stream=False)
+    _upstream_fault(base_url, fake, org, error_reply(502, "bad gateway", plain=True), False, 502)
+    _upstream_fault(base_url, fake, org, error_reply(500, "boom"), True, 502)
+    _upstream_fault(base_url, fake, org, error_reply(400, "context too long"), False, 400)
+    _upstream_fault(base_url, fake, org, [Reset()], False, 502)
+    _upstream_fault(base_url, fake, org, [SSE_HEAD, chunk, Reset()], True, 200)
+    _upstream_fault(base_url, fake, org, [SSE_HEAD, chunk, Close()], True, 200)
+    # KILN_UPSTREAM_READ_TIMEOUT_S=1 in this gateway: both time out.
+    _upstream_fault(base_url, fake, org, [Sleep(3)] + json_reply(chat_completion("late")),
+                    False, 502)
+    _upstream_fault(base_url, fake, org, [SSE_HEAD, chunk, Sleep(3), chunk], True, 200)
+    _rejected(base_url, org, b"{not json", 400)
+    _rejected(base_url, org, {"model": "fake-model", "messages": []}, 400)
+    _rejected(base_url, org, {"model": "fake-model", "messages": "hi"}, 400)
+    _rejected(base_url, org, {"model": "fake-model", "messages": MESSAGES, "stream": "maybe"},
+              400)
+    _rejected(base_url, org, {"model": "no-such-model", "messages": MESSAGES}, 404)
+
+
+def test_every_failure_path_releases_its_lease(start_gateway, fake, engine):
+    """Aborted streams, upstream 502s, resets, timeouts, invalid bodies, unknown models: after
+    them all (twice over) the org still runs 8 at once and the 9th gets 429."""
+    gw = start_gateway(workers=2, upstream_read_timeout_s=1)
+    org = make_org(engine, f"faults-{uuid.uuid4().hex[:8]}")
+    for _round in range(2):
+        faults(gw.base_url, fake, org)
+    quiet(engine, org.id)
+    statuses = {e["status"] for e in events_of(engine, org.id)}
+    assert {"client_cancelled", "upstream_error", "timeout"} <= statuses <= FINAL
+    assert_eight_then_429(gw.base_url, fake, org, engine)
+    assert_ledger(engine, org.id, 10 * 10**9)
+
+
+# -- a killed worker's leases ------------------------------------------------------------------
+
+def upstream_connections(pids, port):
+    """Return ``{pid: number of established TCP connections to 127.0.0.1:port}``."""
+    inodes = set()
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if fields[2].endswith(f":{port:04X}") and fields[3] == "01":
+            inodes.add(f"socket:[{fields[9]}]")
+    counts = {}
+    for pid in pids:
+        fds = Path(f"/proc/{pid}/fd")
+        counts[pid] = sum(1 for fd in fds.iterdir() if _readlink(fd) in inodes)
+    return counts
+
+
+def _readlink(path):
+    try:
+        return os.readlink(path)
+    except OSError:
+        return None
+
+
+def test_sigkilled_worker_gives_its_slots_back_within_the_ttl(start_gateway, fake, engine):
+    """SIGKILL the worker serving open streams: once the TTL has passed since the kill, the org
+    runs 8 at once again, and every killed request has a usage event closed as ``abandoned``
+    that bills the tokens its last lease renewal recorded."""
+    ttl_s = 3
+    gw = start_gateway(workers=2, lease_ttl_s=ttl_s, sweep_interval_s=1)
+    org = make_org(engine, f"killed-{uuid.uuid4().hex[:8]}")
+    words = [Send(sse_event(chat_chunk(w, role="assistant" if i == 0 else None)))
+             for i, w in enumerate(("one", " two", " three"))]
+    for _ in range(LIMIT):
+        fake.enqueue([SSE_HEAD, *words, Hang()])
+    streams = concurrently(LIMIT, lambda i: post(gw.base_url, org, stream_body(), stream=True))
+    gids = [r.headers["X-Neocloud-Generation-Id"] for r in streams]
+    wait_until(lambda: fake.active == LIMIT)
+    # A renewal (every ttl/3) has recorded the three relayed tokens of every stream.
+    wait_until(lambda: all(usage_event(engine, g)["completion_tokens"] == 3 for g in gids),
+               timeout_s=10)
+    held = upstream_connections(gw.worker_pids(), fake.port)
+    victim = max(held, key=held.get)
+    assert held[victim] >= 1
+    os.kill(victim, signal.SIGKILL)
+    killed_at = time.monotonic()
+    for r in streams:
+        r.close()  # the other worker's streams end normally (client_cancelled)
+    time.sleep(max(0.0, killed_at + ttl_s - time.monotonic()))
+    assert_eight_then_429(gw.base_url, fake, org, engine)
+    events = {g: usage_event(engine, g) for g in gids}
+    abandoned = [e for e in events.values() if e["status"] == "abandoned"]
+    assert len(abandoned) == held[victim]
+    assert {e["status"] for e in events.values()} <= {"abandoned", "client_cancelled"}
+    price = load_catalog_for(gw)["fake-model"].pricing
+    for e in abandoned:
+        assert e["estimated"] and e["completion_tokens"] == 3 and e["ended_at"] is not None
+        assert e["cost_nanos"] == to_nanos(cost_usd(Usage(completion=3), price))
+        assert "lease expired" in e["error"]
+    assert_ledger(engine, org.id, 10 * 10**9)
+
+
+def test_requests_longer_than_the_ttl_keep_their_lease(start_gateway, fake, engine):
+    """A live request renews its lease whatever it waits for (a slow status line, a long
+    non-stream answer), so the sweeper never closes it: it completes and is billed in full."""
+    gw = start_gateway(workers=1, lease_ttl_s=1.5, sweep_interval_s=0.5)
+    org = make_org(engine, f"long-{uuid.uuid4().hex[:8]}")
+    slow_json = [Sleep(4)] + json_reply(chat_completion("slow", usage={
+        "prompt_tokens": 7, "completion_tokens": 11, "total_tokens": 18}))
+    slow_sse = [Sleep(4), SSE_HEAD, Send(sse_event(chat_chunk("x", role="assistant"))),
+                Send(sse_event(chat_chunk(finish_reason="stop"))), Send(b"data: [DONE]\n\n")]
+    fake.default = lambda record: slow_sse if (record.json or {}).get("stream") else slow_json
+    plain, streamed = concurrently(2, lambda i: post(
+        gw.base_url, org, stream_body() if i else {"model": "fake-model", "messages": MESSAGES},
+        stream=bool(i)))
+    assert plain.status_code == 200 and b"[DONE]" in streamed.content
+    quiet(engine, org.id)
+    events = events_of(engine, org.id)
+    assert [e["status"] for e in events] == ["completed", "completed"]
+    price = load_catalog_for(gw)["fake-model"].pricing
+    assert usage_event(engine, plain.headers["X-Neocloud-Generation-Id"])["cost_nanos"] == \
+        to_nanos(cost_usd(Usage(prompt=7, completion=11), price))
+
+
+def load_catalog_for(gw):
+    return load_catalog(gw.env["KILN_MODELS"])
+
+
+# -- credit holds --------------------------------------------------------------------------------
+
+def exact_hold(gw, body):
+    """The hold chat.py places for ``body`` (a text-only request sent as compact JSON bytes)."""
+    entry = load_catalog_for(gw)[body["model"]]
+    raw = json.dumps(body).encode()
+    return hold_for(entry, len(raw), len(body["messages"]),
+                    body.get("max_tokens") or entry.max_output_tokens, False)
+
+
+def test_holds_above_the_credits_are_all_402_and_never_overdraw(gateway, fake, engine):
+    """$0.01 of credits, 100 requests at once whose holds exceed it: all 402, with the
+    available amount, the hold and the advice to lower max_tokens; nothing reaches the upstream
+    and the balance never moves."""
+    org = make_org(engine, f"poor-{uuid.uuid4().hex[:8]}", usd="0.01")
+    body = stream_body("fake-vision", max_tokens=2000)
+    hold = exact_hold(gateway, body)
+    assert hold > 10**7
+    seen, stop = [], threading.Event()
+
+    def watch_balance():
+        while not stop.is_set():
+            seen.append(balance_nanos(engine, org.id))
+            time.sleep(0.02)
+    watcher = threading.Thread(target=watch_balance)
+    watcher.start()
+    try:
+        responses = concurrently(100, lambda i: post(gateway.base_url, org, body))
+    finally:
+        stop.set()
+        watcher.join(10)
+    assert [r.status_code for r in responses] == [402] * 100
+    error = responses[0].json()["error"]
+    assert error["code"] == "insufficient_credits"
+    assert "0.01 USD available" in error["message"]
+    assert f"{format(from_nanos(hold).normalize(), 'f')} USD" in error["message"]
+    assert "max_tokens" in error["message"]
+    assert fake.requests == []
+    assert seen and all(s == (10**7, 0, 0) for s in seen)
+    assert events_of(engine, org.id) == []
+
+
+def test_credits_for_exactly_three_holds_admit_exactly_three(gateway, fake, engine):
+    """Credits of exactly three holds, 100 requests at once while the admitted ones stay
+    open: exactly three admitted, 97 get 402; settled, the balance is grants minus costs."""
+    body = stream_body("fake-vision", max_tokens=2000)
+    hold = exact_hold(gateway, body)
+    org = make_org(engine, f"three-{uuid.uuid4().hex[:8]}",
+                   usd=str(from_nanos(3 * hold)))
+    for _ in range(3):
+        fake.enqueue([SSE_HEAD, Hang()])
+    responses = concurrently(100, lambda i: post(gateway.base_url, org, body, stream=True))
+    try:
+        codes = [r.status_code for r in responses]
+        assert codes.count(200) == 3 and codes.count(402) == 97
+        assert balance_nanos(engine, org.id) == (3 * hold, 3 * hold, 3)
+    finally:
+        for r in responses:
+            r.close()
+    quiet(engine, org.id)
+    assert len(events_of(engine, org.id)) == 3
+    assert 0 <= balance_nanos(engine, org.id)[0]
+    assert_ledger(engine, org.id, 3 * hold)
+
+
+# -- top-ups by SQL while requests settle ---------------------------------------------------------
+
+def sql_top_ups(pg_url, org_id, amounts, done):
+    """Insert grants with plain SQL on a separate connection, as an admin in psql would."""
+    dsn = pg_url.replace("postgresql+psycopg://", "postgresql://")
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        for amount in amounts:
+            conn.execute("INSERT INTO credit_grants (org_id, amount_usd, note) "
+                         "VALUES (%s, %s, 'psql top-up')", (org_id, amount))
+            time.sleep(0.01)
+    done.set()
+
+
+def test_sql_top_ups_during_settlements_lose_nothing(gateway, fake, engine, pg_url):
+    """100 requests settle while grants are inserted by plain SQL: every grant and every debit
+    lands, and ``kiln credits reconcile`` passes."""
+    org = make_org(engine, f"topup-{uuid.uuid4().hex[:8]}", usd="1", limit=100)
+    fake.default = functools.partial(default_script, hold_s=0.5)
+    amounts = [Decimal("0.000000123") * (i + 1) for i in range(40)] + [Decimal("-0.25")]
+    done = threading.Event()
+    topper = threading.Thread(target=sql_top_ups, args=(pg_url, org.id, amounts, done))
+    body = {"model": "fake-model", "messages": MESSAGES, "max_tokens": 32}
+
+    def request(i):
+        if i == 0:
+            topper.start()
+        return post(gateway.base_url, org, body).status_code
+    codes = concurrently(100, request)
+    topper.join(60)
+    assert done.is_set() and codes == [200] * 100
+    quiet(engine, org.id)
+    grants = to_nanos(Decimal(1) + sum(amounts))
+    assert_ledger(engine, org.id, grants)
+    result = subprocess.run([KILN, "credits", "reconcile"], capture_output=True, text=True,
+                            env={**os.environ, "KILN_DATABASE_URL": pg_url}, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    line = next(ln for ln in result.stdout.splitlines() if ln.startswith(org.name))
+    assert line.split()[-1] == "ok"
+
+
+# -- cross-org isolation -------------------------------------------------------------------------
+
+def test_an_org_cannot_read_another_orgs_generation_or_credits(gateway, fake, engine):
+    a = make_org(engine, f"org-a-{uuid.uuid4().hex[:8]}", usd="1")
+    b = make_org(engine, f"org-b-{uuid.uuid4().hex[:8]}", usd="2")
+    r = post(gateway.base_url, b, {"model": "fake-model", "messages": MESSAGES})
+    gid = r.headers["X-Neocloud-Generation-Id"]
+    url = gateway.base_url + "/v1/generation"
+    assert requests.get(url, params={"id": gid}, headers=b.headers).status_code == 200
+    denied = requests.get(url, params={"id": gid}, headers=a.headers)
+    assert denied.status_code == 404
+    assert denied.json()["error"]["type"] == "invalid_request_error"
+    credits = requests.get(gateway.base_url + "/v1/credits", headers=a.headers,
+                           params={"org": b.id, "org_id": b.id}).json()
+    assert credits["balance_usd"] == "1" and credits["in_flight"] == 0

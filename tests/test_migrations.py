@@ -1,0 +1,120 @@
+"""Migrations on both dialects: upgrade, downgrade to nothing and upgrade again; no drift from
+the models (``kiln db check``); the credit triggers work in plain SQL on Postgres and SQLite."""
+import os
+import subprocess
+import sys
+import uuid
+from decimal import Decimal
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+
+from gateway_proc import create_database, drop_database
+
+KILN = str(Path(sys.executable).with_name("kiln"))
+TABLES = {"orgs", "api_keys", "credit_balances", "credit_grants", "usage_events", "in_flight",
+          "maintenance"}
+
+
+def kiln(url, *args, check=True):
+    result = subprocess.run([KILN, *args], capture_output=True, text=True, timeout=180,
+                            env={**os.environ, "KILN_DATABASE_URL": url})
+    if check:
+        assert result.returncode == 0, result.stdout + result.stderr
+    return result
+
+
+@pytest.fixture(params=["postgres", "sqlite"])
+def empty_db(request, tmp_path):
+    """``(url, engine)`` of an empty database of each dialect."""
+    if request.param == "postgres":
+        name = f"kiln_migrations_{uuid.uuid4().hex[:10]}"
+        url = create_database(name)
+    else:
+        url = f"sqlite:///{tmp_path / 'kiln.db'}"
+    engine = sa.create_engine(url)
+    yield url, engine
+    engine.dispose()
+    if request.param == "postgres":
+        drop_database(name)
+
+
+def tables(engine):
+    return set(sa.inspect(engine).get_table_names()) - {"alembic_version"}
+
+
+def test_upgrade_downgrade_upgrade_without_drift(empty_db):
+    url, engine = empty_db
+    kiln(url, "db", "upgrade")
+    assert tables(engine) == TABLES
+    assert "No new upgrade operations detected" in kiln(url, "db", "check").stdout
+    kiln(url, "db", "downgrade", "base")
+    engine.dispose()
+    assert tables(engine) == set()
+    with engine.connect() as conn:
+        assert not [v for v in sa.inspect(conn).get_view_names() if v == "org_credits"]
+    kiln(url, "db", "upgrade")
+    engine.dispose()
+    assert tables(engine) == TABLES
+    kiln(url, "db", "check")
+    kiln(url, "db", "downgrade", "0001")  # the newest step alone goes back and forth
+    kiln(url, "db", "upgrade")
+    kiln(url, "db", "check")
+
+
+def test_check_reports_drift(empty_db):
+    """``kiln db check`` is not vacuous: a column the models lack fails it."""
+    url, engine = empty_db
+    kiln(url, "db", "upgrade")
+    with engine.begin() as conn:
+        conn.execute(sa.text("ALTER TABLE orgs ADD COLUMN stray INTEGER"))
+    result = kiln(url, "db", "check", check=False)
+    assert result.returncode != 0 and "stray" in result.stdout + result.stderr
+
+
+def _grant(conn, org_id, amount):
+    conn.execute(sa.text(f"INSERT INTO credit_grants (org_id, amount_usd, note) "
+                         f"VALUES ({org_id}, {amount}, 'plain sql')"))
+
+
+def _balance(engine, org_id):
+    with engine.connect() as conn:
+        return tuple(conn.execute(sa.text(
+            "SELECT balance_nanos, held_nanos FROM credit_balances WHERE org_id = :o"),
+            {"o": org_id}).one())
+
+
+def test_plain_sql_grants_move_the_balance_and_never_below_the_holds(empty_db):
+    """The triggers of both dialects: an org gets its balance row; a plain INSERT moves the
+    balance exactly; grants are append-only; a negative grant may not take the balance below
+    the holds of requests in flight (migration 0002)."""
+    url, engine = empty_db
+    kiln(url, "db", "upgrade")
+    with engine.begin() as conn:
+        org_id = conn.execute(sa.text("INSERT INTO orgs (name) VALUES ('plain') RETURNING id"))\
+            .scalar_one()
+    assert _balance(engine, org_id) == (0, 0)
+    with engine.begin() as conn:
+        _grant(conn, org_id, "12.345678901")
+        _grant(conn, org_id, "0.000000001")
+    assert _balance(engine, org_id) == (12_345_678_902, 0)
+    with engine.begin() as conn:
+        conn.execute(sa.text("UPDATE credit_balances SET held_nanos = 2000000000 "
+                             "WHERE org_id = :o"), {"o": org_id})
+    for statement in (lambda c: _grant(c, org_id, "-10.345678903"),  # 1 nano below the holds
+                      lambda c: c.execute(sa.text("UPDATE credit_grants SET amount_usd = 0")),
+                      lambda c: c.execute(sa.text("DELETE FROM credit_grants")),
+                      lambda c: c.execute(sa.text("UPDATE credit_balances SET balance_nanos = 1"))):
+        with pytest.raises(sa.exc.DatabaseError) as err, engine.begin() as conn:
+            statement(conn)
+        assert any(word in str(err.value) for word in ("refused", "append-only", "holds",
+                                                       "covers_holds"))
+    assert _balance(engine, org_id) == (12_345_678_902, 2_000_000_000)
+    with engine.begin() as conn:
+        _grant(conn, org_id, "-10.345678902")  # exactly down to the holds
+    assert _balance(engine, org_id) == (2_000_000_000, 2_000_000_000)
+    with engine.connect() as conn:
+        view = conn.execute(sa.text("SELECT balance_usd, available_usd FROM org_credits "
+                                    "WHERE org_id = :o"), {"o": org_id}).one()
+    assert (Decimal(str(view.balance_usd)), Decimal(str(view.available_usd))) == (2, 0)
