@@ -1,0 +1,214 @@
+"""Graceful stop and reload of real gunicorn with streams in flight: running streams finish whole,
+new connections are served (after HUP by the new workers), and every admitted request ends with
+a final usage event — the books balance (``balance = Σ grants − Σ costs``) afterwards."""
+import functools
+import json
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+import pytest
+import requests
+import sqlalchemy as sa
+from prometheus_client import CollectorRegistry
+from prometheus_client.multiprocess import MultiProcessCollector
+
+from fake_upstream import default_script
+from gateway.reconcile import reconcile
+from gateway_proc import make_org, wait_until
+
+pytestmark = pytest.mark.postgres
+
+CHUNKS, CHUNK_DELAY_S = 20, 0.15  # a three-second stream
+CLOSE = {"Connection": "close"}
+BODY = {"model": "fake-model", "messages": [{"role": "user", "content": "Count slowly"}]}
+
+
+class StreamClient(threading.Thread):
+    """One streaming request read to its end in a thread: ``events`` (data payloads as bytes),
+    ``gid``, ``error``; ``started`` is set at the first content event."""
+
+    def __init__(self, gw, org):
+        super().__init__(daemon=True)
+        self.url, self.headers = gw.base_url + "/v1/chat/completions", {**org.headers, **CLOSE}
+        self.events, self.gid, self.error = [], None, None
+        self.started = threading.Event()
+
+    def run(self):
+        try:
+            with requests.post(self.url, json={**BODY, "stream": True}, headers=self.headers,
+                               stream=True, timeout=60) as resp:
+                self.gid = resp.headers["X-Neocloud-Generation-Id"]
+                for line in resp.iter_lines():
+                    if line.startswith(b"data: "):
+                        self.events.append(line[len(b"data: "):])
+                        self.started.set()
+        except requests.RequestException as err:
+            self.error = err
+        self.started.set()
+
+    def content_deltas(self):
+        chunks = [json.loads(e) for e in self.events if e != b"[DONE]"]
+        return [c["choices"][0]["delta"]["content"] for c in chunks
+                if c.get("choices") and c["choices"][0]["delta"].get("content")]
+
+
+def open_streams(gw, org, n):
+    """Start ``n`` streams and return them once each has relayed its first content event."""
+    streams = [StreamClient(gw, org) for _ in range(n)]
+    for s in streams:
+        s.start()
+    for s in streams:
+        assert s.started.wait(60) and s.error is None, s.error
+    assert not any(s.events[-1:] == [b"[DONE]"] for s in streams), "streams ended too soon"
+    return streams
+
+
+def assert_whole(streams):
+    for s in streams:
+        s.join(60)
+        assert not s.is_alive() and s.error is None, s.error
+        assert s.events[-1] == b"[DONE]", s.events[-3:]
+        assert len(s.content_deltas()) == CHUNKS
+
+
+def assert_books_balance(engine, org, admitted):
+    """Every admitted request has a final usage event; the org reconciles exactly."""
+    with engine.connect() as conn:
+        events = conn.execute(sa.text("SELECT id, status, cost_nanos FROM usage_events "
+                                      "WHERE org_id = :o"), {"o": org.id}).all()
+    assert {e.id for e in events} == set(admitted)
+    assert all(e.status != "pending" for e in events), [e.status for e in events]
+    row = next(r for r in reconcile(engine)[0] if r.name == org.name)
+    assert row.verdict == "ok" and row.leases == 0 and row.held_usd == 0
+    assert row.balance_usd == row.grants_usd - row.costs_usd
+    return events
+
+
+@pytest.fixture
+def slow_streams(fake):
+    fake.default = functools.partial(default_script, chunks=CHUNKS, delay_s=CHUNK_DELAY_S)
+    return fake
+
+
+def refused(url):
+    try:
+        requests.get(url, headers=CLOSE, timeout=5)
+    except requests.ConnectionError:
+        return True
+    return False
+
+
+def test_sigterm_lets_running_streams_finish_and_settles_every_one(start_gateway, slow_streams,
+                                                                    engine):
+    gw = start_gateway(workers=2, graceful_timeout=30)
+    org = make_org(engine, "graceful-term")
+    streams = open_streams(gw, org, 6)
+    gw.signal(signal.SIGTERM)
+    # The listener closes at once (new connections are refused) while the streams go on.
+    wait_until(lambda: refused(gw.base_url + "/healthz"), timeout_s=30)
+    assert_whole(streams)
+    assert gw.proc.wait(60) == 0
+    events = assert_books_balance(engine, org, [s.gid for s in streams])
+    assert {e.status for e in events} == {"completed"} and all(e.cost_nanos > 0 for e in events)
+    assert "Worker graceful timeout" not in gw.log()
+
+
+def listening_pids(port):
+    """Return the pids holding the listening socket on ``port`` (``ss -p``)."""
+    out = subprocess.run(["ss", "-Htlnp", f"sport = :{port}"], capture_output=True, text=True,
+                         timeout=30, check=True).stdout
+    return {int(pid) for pid in re.findall(r"pid=(\d+)", out)}
+
+
+def per_worker_requests(gw, pids):
+    """Return kiln_requests_total summed over the samples that the workers ``pids`` wrote."""
+    with tempfile.TemporaryDirectory() as only:
+        for pid in pids:
+            for path in Path(gw.metrics_dir).glob(f"*_{pid}.db"):
+                shutil.copy(path, only)
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry, path=only)
+        return sum(s.value for family in registry.collect() for s in family.samples
+                   if s.name == "kiln_requests_total")
+
+
+def test_hup_serves_new_connections_with_new_workers_while_old_streams_finish(
+        start_gateway, slow_streams, engine):
+    gw = start_gateway(workers=2, graceful_timeout=30)
+    org = make_org(engine, "graceful-hup")
+    streams = open_streams(gw, org, 6)
+    old = set(gw.worker_pids())
+    gw.signal(signal.SIGHUP)
+    new = wait_until(lambda: (pids := set(gw.worker_pids()) - old) and len(pids) == 2 and pids,
+                     timeout_s=60, interval_s=0.1)
+    # The old workers close their copy of the listening socket within a second of the TERM
+    # the master sends them (gevent worker loop); from then on only new workers accept.
+    wait_until(lambda: not old & listening_pids(gw.port), timeout_s=30, interval_s=0.1)
+    fresh = [requests.post(gw.base_url + "/v1/chat/completions", json=BODY,
+                           headers={**org.headers, **CLOSE}, timeout=60) for _ in range(8)]
+    assert [r.status_code for r in fresh] == [200] * 8
+    assert_whole(streams)
+    wait_until(lambda: not old & set(gw.worker_pids()), timeout_s=60, interval_s=0.1)
+    # Counted per worker (prometheus-client keeps one file per pid): the new connections
+    # went to the new workers only; the old ones served nothing but their streams.
+    assert per_worker_requests(gw, new) == 8
+    assert per_worker_requests(gw, old) == 6
+    assert_books_balance(engine, org, [s.gid for s in streams] +
+                         [r.headers["X-Neocloud-Generation-Id"] for r in fresh])
+    assert gw.proc.poll() is None  # the master stayed up throughout
+
+
+def kiln(pg_url, catalog_path, *args):
+    env = {"PATH": "/usr/bin:/bin", "KILN_DATABASE_URL": pg_url, "KILN_MODELS": str(catalog_path)}
+    command = [str(Path(sys.executable).with_name("kiln")), *args]  # the venv's console script
+    return subprocess.run(command, env=env, check=True, capture_output=True, text=True,
+                          timeout=60).stdout
+
+
+def test_a_stream_longer_than_the_graceful_timeout_is_cut_but_never_lost(
+        start_gateway, slow_streams, engine, pg_url, catalog_path):
+    """Past the graceful timeout the workers are killed. The cut stream does not look complete,
+    and its usage event is not lost: settled on the way out or, if the worker was killed first,
+    closed by the sweeper from the expired lease."""
+    slow_streams.default = functools.partial(default_script, chunks=200, delay_s=0.1)
+    gw = start_gateway(workers=1, graceful_timeout=1, lease_ttl_s=2)
+    org = make_org(engine, "graceful-cut")
+    stream, = open_streams(gw, org, 1)
+    gw.signal(signal.SIGTERM)
+    stream.join(60)
+    assert not stream.is_alive()
+    assert b"[DONE]" not in stream.events and len(stream.content_deltas()) < 200
+    assert gw.proc.wait(60) is not None
+    # Settled by the worker on its way out ("error"), or else by a sweep once the lease expired.
+    status = wait_until(lambda: kiln(pg_url, catalog_path, "sweep")
+                        and _settled(engine, stream.gid), timeout_s=30, interval_s=0.5)
+    assert status in ("error", "abandoned")  # never "completed": the client did not get it all
+    event, = assert_books_balance(engine, org, [stream.gid])
+    assert event.cost_nanos > 0  # the tokens relayed before the cut are billed
+
+
+def _settled(engine, gid):
+    """Return the usage event's status once it is final, else None."""
+    with engine.connect() as conn:
+        status = conn.execute(sa.text("SELECT status FROM usage_events WHERE id = :g"),
+                              {"g": gid}).scalar_one()
+    return None if status == "pending" else status
+
+
+def test_an_idle_keep_alive_connection_does_not_hold_a_stop(start_gateway, fake):
+    """nginx keeps idle connections to gunicorn open (its upstream keepalive pool). A stopping
+    gevent worker waits for them until gunicorn's ``keepalive`` expires, with its listener
+    already closed; so that wait must be short (nginx's own idle timeout is shorter still)."""
+    gw = start_gateway(workers=1)
+    with requests.Session() as idle:
+        assert idle.get(gw.base_url + "/healthz", timeout=30).status_code == 200
+        gw.signal(signal.SIGTERM)
+        # Generous bound: gunicorn's keepalive (5 s) plus slack; not the 60 s of nginx's old
+        # idle timeout, nor the 120 s graceful timeout.
+        assert gw.proc.wait(30) == 0
