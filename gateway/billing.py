@@ -170,11 +170,24 @@ def try_admit(engine, principal, model_id, stream, hold_nanos, lease_ttl_s):
               "stream": stream, "now": now, "expires": now + timedelta(seconds=lease_ttl_s)}
     if not is_postgres(engine):
         return _admit_generic(engine, params)
-    with autocommit(engine) as conn:
-        row = conn.execute(_PG_ADMIT, params).first()
+    row = _execute_reconnecting(engine, _PG_ADMIT, params)
     if row is None:  # no balance row: the org cannot pay
         return Admission()
     return Admission(row.gid, row.available, row.in_flight, row.expired)
+
+
+def _execute_reconnecting(engine, statement, params):
+    """Run one autocommit statement; on a pooled connection found dead (a database restart;
+    the pool does not ping on checkout) run it once more on a fresh one. The retry reuses the
+    same generation id, so it can never admit twice."""
+    try:
+        with autocommit(engine) as conn:
+            return conn.execute(statement, params).first()
+    except sa.exc.DBAPIError as err:
+        if not err.connection_invalidated:
+            raise
+    with autocommit(engine) as conn:
+        return conn.execute(statement, params).first()
 
 
 def _admit_generic(engine, p):

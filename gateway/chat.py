@@ -77,7 +77,7 @@ def _admit(services, chat):
 def _complete(gen):
     status, http_status, error, usage = "completed", 200, None, Usage()
     try:
-        gen.wait_for(gen.open_upstream())
+        gen.wait_for(gen.open_upstream(read_body=True))
         obj = _parse_completion(gen.read_body())
         gen.mark_first_token()
         usage = _completion_usage(gen, obj)

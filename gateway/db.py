@@ -32,7 +32,9 @@ def create_engine(config):
         url,
         pool_size=config.db_pool_size,
         max_overflow=config.db_max_overflow,
-        pool_pre_ping=True,
+        # No ping on checkout (it would double the round trips of admission and settlement):
+        # a connection found dead is invalidated and the statement retried (billing.py).
+        pool_pre_ping=False,
         pool_recycle=1800,
         # pgbouncer in transaction mode needs server-side prepared statements off.
         connect_args={"prepare_threshold": None, "application_name": "kiln-gateway",

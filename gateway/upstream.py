@@ -16,6 +16,9 @@ DOWN_COOLDOWN_S = 5.0  # a backend that refused a connection sits out this long 
 def create_session(pool_size):
     """Return a ``requests.Session`` with a connection pool of ``pool_size`` per backend."""
     session = requests.Session()
+    # Backends are named in the catalog: no proxy or netrc lookup from the environment, which
+    # also spares a scan of os.environ on every request (requests' trust_env).
+    session.trust_env = False
     adapter = HTTPAdapter(pool_connections=16, pool_maxsize=pool_size, max_retries=0)
     session.mount("http://", adapter)
     session.mount("https://", adapter)
