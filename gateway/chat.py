@@ -165,7 +165,8 @@ def _relay(gen, opener):
     """Yield the stream's bytes; settle exactly once in ``finally``, whatever ends it."""
     gen.opened_relay = True
     rules = StreamRules(gen.request.include_usage, gen.request.stop,
-                        gen.request.single_tool_call, gen.price)
+                        gen.request.single_tool_call, gen.price,
+                        collect_text=bool(gen.backend.tokenize_url))
     # Anything not listed below (a bug, the worker killing greenlets at shutdown) is an error.
     status, http_status, error, billable = "error", 500, "the relay stopped unexpectedly", True
     try:
@@ -278,8 +279,8 @@ def _final_usage(gen, rules):
         if rules.usage is not None:
             gen.final_usage = Usage.from_openai(rules.usage)
         else:
-            gen.final_usage = Usage(prompt=gen.estimate_prompt(), completion=rules.deltas,
-                                    estimated=True)
+            gen.final_usage = Usage(prompt=gen.estimate_prompt(),
+                                    completion=gen.count_completion(rules), estimated=True)
     return gen.final_usage
 
 
@@ -291,7 +292,9 @@ def _cancelled_usage(gen):
 def _progress(gen, rules):
     if rules.usage is not None:
         return Usage.from_openai(rules.usage, estimated=True)
-    return Usage(prompt=0, completion=rules.deltas, estimated=True)
+    # No call to the backend here: a llama.cpp server answers tokenize only between generations.
+    return Usage(prompt=gen.estimate_prompt(exact=False), completion=rules.deltas,
+                 estimated=True)
 
 
 def _upstream_error_message(error):

@@ -205,13 +205,27 @@ class Generation:
         cost = cost_usd(usage, self.request.entry.pricing)
         return min(cost, from_nanos(self.hold_nanos))
 
-    def estimate_prompt(self):
-        """Estimate prompt tokens when the backend reported none (flagged as estimated)."""
+    def estimate_prompt(self, exact=True):
+        """Estimate prompt tokens when the backend reported none (flagged as estimated): the
+        messages' text counted by the backend's tokenize endpoint when ``exact`` and it has one,
+        else about 4 bytes a token; plus the chat template's tokens (ChatML: about 5 a message
+        and 3 to open the reply)."""
         text = "\n".join(_message_text(m) for m in self.request.body.get("messages", []))
-        exact = upstream.count_tokens(self.services.session, self.backend, text)
-        if exact is not None:
-            return exact + 4 * self.request.n_messages
-        return max(1, len(text.encode()) // 4) + 4 * self.request.n_messages
+        counted = upstream.count_tokens(self.services.session, self.backend, text) \
+            if exact else None
+        if counted is None:
+            counted = max(1, len(text.encode()) // 4)
+        return counted + 5 * self.request.n_messages + 3
+
+    def count_completion(self, rules):
+        """Return the completion tokens of a stream that reported no usage: the generated text
+        counted by the backend when it can, else one token per delta."""
+        if rules.texts:
+            counted = upstream.count_tokens(self.services.session, self.backend,
+                                            "".join(rules.texts))
+            if counted is not None:
+                return max(counted, 1)
+        return rules.deltas
 
     def renew_lease(self, usage):
         """Renew the in-flight lease and store progress for the sweeper; return False once the

@@ -185,8 +185,11 @@ class StreamRules:
     :param price: ``usage dict -> Decimal USD`` billed for it, written as ``usage.cost``.
     """
 
-    def __init__(self, include_usage, stops, single_tool_call, price):
+    def __init__(self, include_usage, stops, single_tool_call, price, collect_text=False):
         self.include_usage = include_usage
+        # Generated text, kept only when the backend can count it exactly (tokenize endpoint):
+        # a delta is not always one token (a character split across tokens comes whole).
+        self.texts = [] if collect_text else None
         self.cutter = StopCutter(stops) if stops else None
         self.single_tool_call = single_tool_call
         self.price = price
@@ -256,6 +259,8 @@ class StreamRules:
             delta = choice.get("delta") or {}
             if delta.get("content") or delta.get("tool_calls") or delta.get("reasoning_content"):
                 self.deltas += 1
+                if self.texts is not None:
+                    self.texts.append(_delta_text(delta))
             if choice.get("finish_reason"):
                 self.finished.add(choice.get("index", 0))
 
@@ -296,6 +301,16 @@ class StreamRules:
             if rest:
                 delta["content"], changed = (delta.get("content") or "") + rest, True
         return changed
+
+
+def _delta_text(delta):
+    """Return the generated text of a delta: content, reasoning, tool names and arguments."""
+    parts = [delta.get("content"), delta.get("reasoning_content")]
+    for call in delta.get("tool_calls") or ():
+        function = call.get("function") if isinstance(call, dict) else None
+        if isinstance(function, dict):
+            parts += [function.get("name"), function.get("arguments")]
+    return "".join(p for p in parts if isinstance(p, str))
 
 
 def _first_tool_call_only(container):

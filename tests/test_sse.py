@@ -208,3 +208,15 @@ def test_single_tool_call_rule_rewrites_only_when_needed():
 
 def test_non_json_data_is_relayed_as_is():
     assert rules().apply(b"not json") == frame(b"not json")
+
+
+def test_generated_text_is_collected_for_exact_counting_when_asked():
+    rules = StreamRules(False, (), False, lambda usage: 0, collect_text=True)
+    chunks = [{"choices": [{"index": 0, "delta": {"content": "Hel"}}]},
+              {"choices": [{"index": 0, "delta": {"tool_calls": [
+                  {"index": 0, "function": {"name": "f", "arguments": "{\"a\":"}}]}}]},
+              {"choices": [{"index": 0, "delta": {"reasoning_content": "hm"}}]}]
+    for chunk in chunks:
+        rules.apply(json.dumps(chunk).encode())
+    assert "".join(rules.texts) == "Helf{\"a\":hm" and rules.deltas == 3
+    assert StreamRules(False, (), False, lambda usage: 0).texts is None
