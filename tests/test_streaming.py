@@ -230,7 +230,7 @@ def awkward_pieces(payloads):
                    stream.index(p[3]) + len(p[3]) + 1,  # between the two CRs
                    stream.index(p[1]) + len(p[1]) + 2}  # inside CRLF CRLF
                   | set(range(stream.index(p[4]) - 6, stream.index(p[4]) + len(p[4]) + 2)))
-    return [stream[a:b] for a, b in zip([0] + cuts, cuts + [len(stream)])]
+    return [stream[a:b] for a, b in zip([0] + cuts, cuts + [len(stream)], strict=False)]
 
 
 def test_events_split_at_any_byte_reach_the_client_exact(gateway, fake, org, engine):
@@ -394,10 +394,10 @@ def assert_events_leave_as_they_arrive(raw, sent_at, count=8):
     streaming requirements name)."""
     arrivals = [raw.arrival(raw.body.index(b"\n\n", raw.body.index(b'"tok%d"' % k)) + 2)
                 for k in range(count)]
-    lags = [a - s for a, s in zip(arrivals, sent_at[:count])]
+    lags = [a - s for a, s in zip(arrivals, sent_at[:count], strict=False)]
     assert max(lags) < 0.05, lags
     gaps = [(a1 - a0) - (s1 - s0) for a0, a1, s0, s1 in
-            zip(arrivals, arrivals[1:], sent_at, sent_at[1:count])]
+            zip(arrivals, arrivals[1:], sent_at, sent_at[1:count], strict=False)]
     assert max(abs(g) for g in gaps) < 0.05, gaps
 
 
