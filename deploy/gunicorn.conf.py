@@ -32,6 +32,9 @@ keepalive = 5
 max_requests = int(os.environ.get("KILN_MAX_REQUESTS", "50000"))
 max_requests_jitter = max_requests // 10
 preload_app = False
+# gunicorn 25+ opens a control socket at one shared per-user path; several instances on a host
+# would take it from each other. Signals (systemd's reload/stop) are the control interface.
+control_socket_disable = True
 accesslog = None  # the app logs one JSON line per request (with more); no duplicate access log
 errorlog = "-"
 loglevel = os.environ.get("KILN_LOG_LEVEL", "info")

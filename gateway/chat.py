@@ -14,7 +14,7 @@ from gevent.queue import Empty
 from . import limits, ops
 from .auth import require_key
 from .billing import Usage, hold_for, new_generation_id
-from .errors import Forbidden, GatewayError, PayloadTooLarge, UpstreamError
+from .errors import Forbidden, GatewayError, InvalidRequest, PayloadTooLarge, UpstreamError
 from .relay import (DATA, EOF, FAILED, GENERATION_HEADER, ClientGone, Generation, StreamFailed,
                     status_for)
 from .sse import (DONE, KEEPALIVE, EventSplitter, StreamRules, apply_to_completion, dumps,
@@ -54,6 +54,10 @@ def _read_body(config):
     if length is not None and length > config.max_body_bytes:
         raise PayloadTooLarge(f"Request body is larger than {config.max_body_bytes} bytes.")
     raw = request.stream.read(config.max_body_bytes + 1) if length is None else request.get_data()
+    if length is not None and len(raw) < length:
+        # The client went away mid-body: whatever parses from the part received was not sent.
+        raise InvalidRequest(f"Request body ended after {len(raw)} of the {length} bytes "
+                             f"announced by Content-Length.", code="incomplete_body")
     return parse_json_body(raw, request.content_type, config.max_body_bytes), len(raw)
 
 

@@ -37,7 +37,25 @@ class Context:
 pass_ctx = click.make_pass_decorator(Context, ensure=True)
 
 
-@click.group()
+class KilnGroup(click.Group):
+    """Turns database failures into one readable line instead of a traceback."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except sa.exc.DBAPIError as err:
+            url = Config.from_mapping().database_url
+            hint = ("is it migrated? run `kiln db upgrade`" if "no such table" in str(err.orig)
+                    or "does not exist" in str(err.orig) else "is it reachable?")
+            raise click.ClickException(f"database {_safe_url(url)}: {hint} ({err.orig})") \
+                from err
+
+
+def _safe_url(url):
+    return sa.engine.make_url(url).render_as_string(hide_password=True)
+
+
+@click.group(cls=KilnGroup)
 def main():
     """Kiln gateway administration."""
 

@@ -14,6 +14,10 @@ REASONING_EFFORTS = ("low", "medium", "high")
 RANGES = {"temperature": (0, 2), "top_p": (0, 1),
           "presence_penalty": (-2, 2), "frequency_penalty": (-2, 2)}
 MAX_STOP_STRINGS = 4
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound
+# Content part type -> the field that carries it (OpenAI chat content parts).
+PART_TYPES = {"text": "text", "image_url": "image_url", "input_audio": "input_audio",
+              "file": "file"}
 
 
 @dataclass
@@ -100,7 +104,7 @@ def _model(body, catalog):
                              code="invalid_type")
     entry = catalog.get(model)
     if entry is None:
-        raise ModelNotFound(f"The model '{model}' does not exist. See GET /v1/models.",
+        raise ModelNotFound(f"The model '{model[:200]}' does not exist. See GET /v1/models.",
                             param="model")
     return entry
 
@@ -160,6 +164,7 @@ def _text_or_parts(content, param, entry):
         if not isinstance(part, dict) or not isinstance(part.get("type"), str):
             raise InvalidRequest(f"Invalid '{where}': expected a content part object with a "
                                  f"'type'.", param=where, code="invalid_type")
+        _part_fields(part, where)
         if part["type"] == "image_url":
             if "image" not in entry.input:
                 # The reference warns images fail silently on text-only models; refuse instead.
@@ -168,6 +173,26 @@ def _text_or_parts(content, param, entry):
                     param=where)
             has_images = True
     return has_images
+
+
+def _part_fields(part, where):
+    """Check a content part's own fields (OpenAI's part types); the backend would answer a
+    malformed one with a 500, seen by the client as a bare 502."""
+    kind = part["type"]
+    if kind not in PART_TYPES:
+        raise InvalidRequest(f"Invalid '{where}.type': {kind[:40]!r} is not one of "
+                             f"{', '.join(PART_TYPES)}.", param=f"{where}.type",
+                             code="invalid_value")
+    value = part.get(PART_TYPES[kind])
+    if kind == "text":
+        _require_string(value, f"{where}.text")
+    elif kind == "image_url" and not (isinstance(value, str) or (
+            isinstance(value, dict) and isinstance(value.get("url"), str))):
+        raise InvalidRequest(f"Invalid '{where}.image_url': expected an object with a 'url'.",
+                             param=f"{where}.image_url", code="invalid_type")
+    elif not isinstance(value, (dict, str)):
+        raise InvalidRequest(f"Invalid '{where}.{PART_TYPES[kind]}': expected an object.",
+                             param=f"{where}.{PART_TYPES[kind]}", code="invalid_type")
 
 
 def _assistant(message, content, where, entry):
@@ -287,6 +312,32 @@ def _enums_and_ranges(body):
     if seed is not None and not _is_int(seed):
         raise InvalidRequest("Invalid 'seed': expected an integer.", param="seed",
                              code="invalid_type")
+    _logprobs(body)
+    for name, kind in (("user", str), ("metadata", dict), ("logit_bias", dict)):
+        if body.get(name) is not None and not isinstance(body[name], kind):
+            raise InvalidRequest(f"Invalid '{name}': expected "
+                                 f"{'a string' if kind is str else 'an object'}.", param=name,
+                                 code="invalid_type")
+    for token, bias in (body.get("logit_bias") or {}).items():
+        if not _is_number(bias) or not -100 <= bias <= 100:
+            raise InvalidRequest(f"Invalid 'logit_bias': the bias of token {token[:20]!r} must "
+                                 f"be a number from -100 to 100.", param="logit_bias",
+                                 code="invalid_value")
+
+
+def _logprobs(body):
+    logprobs, top = body.get("logprobs"), body.get("top_logprobs")
+    if logprobs is not None and not isinstance(logprobs, bool):
+        raise InvalidRequest("Invalid 'logprobs': expected a boolean.", param="logprobs",
+                             code="invalid_type")
+    if top is None:
+        return
+    if not _is_int(top) or not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise InvalidRequest(f"Invalid 'top_logprobs': expected an integer from 0 to "
+                             f"{MAX_TOP_LOGPROBS}.", param="top_logprobs", code="invalid_value")
+    if logprobs is not True:
+        raise InvalidRequest("Invalid 'top_logprobs': it needs 'logprobs' set to true.",
+                             param="top_logprobs", code="invalid_value")
 
 
 def _is_number(value):

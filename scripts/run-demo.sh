@@ -10,6 +10,8 @@ export KILN_DATABASE_URL=${KILN_DATABASE_URL:-sqlite:///$PWD/$STATE/kiln.db}
 export KILN_MODELS=${KILN_MODELS:-$PWD/gateway/demo_models.toml}
 export KILN_WORKERS=${KILN_WORKERS:-2}
 export PROMETHEUS_MULTIPROC_DIR=$PWD/$STATE/metrics
+# Ctrl-C stops the demo gracefully: running streams get this long to finish and settle.
+export KILN_GRACEFUL_TIMEOUT=${KILN_GRACEFUL_TIMEOUT:-10}
 KILN="$VENV/bin/kiln"
 mkdir -p "$STATE"
 
@@ -43,7 +45,10 @@ fi
 KEY=$("$KILN" key create demo --name "make run" 2>/dev/null | tail -n 1)
 
 echo "starting the gateway on http://$KILN_BIND ..."
-"$VENV/bin/gunicorn" -c deploy/gunicorn.conf.py gateway.wsgi:app >"$STATE/gateway.log" 2>&1 &
+"$KILN" sweep >/dev/null  # close what a previous run left open (a killed worker's leases)
+# In its own session, so that Ctrl-C (SIGINT: gunicorn's quick, unsettled exit) does not reach
+# it; cleanup sends SIGTERM, the graceful stop that lets streams finish and settle.
+setsid "$VENV/bin/gunicorn" -c deploy/gunicorn.conf.py gateway.wsgi:app >"$STATE/gateway.log" 2>&1 &
 pids+=($!)
 wait_http "http://$KILN_BIND/readyz" 60 "the gateway"
 
@@ -58,6 +63,10 @@ Try it:
     -H "Authorization: Bearer $KEY" -H "Content-Type: application/json" \\
     -d '{"model": "smollm2-135m", "messages": [{"role": "user", "content": "Say hello in five words."}], "max_tokens": 32}'
 
-Then: $KILN credits show demo    |   logs: $STATE/gateway.log   |   Ctrl-C stops everything.
+The kiln command needs the demo's database (the gateway's settings are KILN_* variables):
+  export KILN_DATABASE_URL=$KILN_DATABASE_URL
+  $KILN credits show demo     # balance after your requests
+  $KILN credits reconcile     # every cent accounted for
+Logs: $STATE/gateway.log (one JSON line per generation). Ctrl-C stops everything.
 MSG
 wait -n "${pids[@]}"

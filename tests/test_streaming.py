@@ -629,6 +629,7 @@ class StubGeneration:
         self.events, self.gone = Queue(), Event()
         self.final_usage, self.opened_relay = None, False
         self.gid = "gen-stub"
+        self.backend = SimpleNamespace(tokenize_url=None)
         self.settlements, self.closed, self.close_fails = [], 0, close_fails
 
     def price(self, usage):
@@ -651,8 +652,11 @@ class StubGeneration:
     def mark_first_token(self):
         pass
 
-    def estimate_prompt(self):
+    def estimate_prompt(self, exact=True):
         return 7
+
+    def count_completion(self, rules):
+        return rules.deltas
 
 
 def answered_opener():

@@ -221,6 +221,28 @@ REJECTED = [
     # ignore_eos on gpt-oss
     ("ignore_eos-gpt-oss", body_with(model="gpt-oss-fake", ignore_eos=True), 400,
      "unsupported_parameter", "ignore_eos"),
+    # OpenAI parameters a model server answers with a 500 when malformed: refused here
+    *[(f"{name}={v!r}", body_with(**{name: v}), 400, code, name) for name, v, code in (
+        ("user", 5, "invalid_type"), ("user", {}, "invalid_type"),
+        ("metadata", 5, "invalid_type"), ("logit_bias", "x", "invalid_type"),
+        ("logit_bias", {"50256": 101}, "invalid_value"),
+        ("logit_bias", {"50256": "1"}, "invalid_value"),
+        ("logprobs", "yes", "invalid_type"))],
+    ("top_logprobs=-1", body_with(logprobs=True, top_logprobs=-1), 400, "invalid_value",
+     "top_logprobs"),
+    ("top_logprobs=21", body_with(logprobs=True, top_logprobs=21), 400, "invalid_value",
+     "top_logprobs"),
+    ("top_logprobs-string", body_with(logprobs=True, top_logprobs="2"), 400, "invalid_value",
+     "top_logprobs"),
+    ("top_logprobs-without-logprobs", body_with(top_logprobs=2), 400, "invalid_value",
+     "top_logprobs"),
+    ("part-type-unknown", body_with(messages=[{"role": "user", "content": [
+        {"type": "foo"}]}]), 400, "invalid_value", "messages[0].content[0].type"),
+    ("part-text-missing", body_with(messages=[{"role": "user", "content": [
+        {"type": "text"}]}]), 400, "missing_required_parameter", "messages[0].content[0].text"),
+    ("part-image-no-url", body_with(model="fake-vision", messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {}}]}]), 400, "invalid_type",
+     "messages[0].content[0].image_url"),
 ]
 
 
@@ -409,6 +431,8 @@ FULL_HISTORY = [
 ]
 ACCEPTED = [
     ("all-roles-vision", body_with(model="fake-vision", messages=FULL_HISTORY), ()),
+    ("openai-extras", body_with(user="u-1", metadata={"k": "v"}, logit_bias={"50256": -100},
+                                logprobs=True, top_logprobs=2), ()),
     ("max_tokens-at-cap", body_with(max_tokens=1024), ()),
     ("max_tokens-1", body_with(max_tokens=1, max_completion_tokens=1), ()),
     ("tools", body_with(tools=[TOOL, {"type": "function", "function": {
@@ -610,3 +634,22 @@ def test_reply_cut_at_max_tokens_is_passed_on_and_billed_as_reported(client, fak
         "completed", 11, 16)
     assert event["cost_nanos"] == nanos(11, 16)
     assert balance_nanos(engine, org.id) == (START[0] - nanos(11, 16), 0, 0)
+
+
+def test_body_shorter_than_content_length_is_refused_not_served(gateway, fake, org, engine):
+    """A client that stops mid-body must not have the part received served and billed, even
+    when that part happens to parse."""
+    body = json.dumps({"model": "fake-model", "messages": MESSAGES}).encode()
+    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+            f"\r\nAuthorization: Bearer {org.key}\r\nContent-Length: {len(body) + 10}\r\n"
+            f"Connection: close\r\n\r\n").encode()
+    with socket.create_connection(("127.0.0.1", gateway.port), timeout=30) as sock:
+        sock.sendall(head + body)
+        sock.shutdown(socket.SHUT_WR)
+        reply = b""
+        while chunk := sock.recv(65536):
+            reply += chunk
+    status_line, _, rest = reply.partition(b"\r\n")
+    assert b" 400 " in status_line
+    assert json.loads(rest.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "incomplete_body"
+    assert_no_trace(engine, fake, org)
