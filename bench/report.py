@@ -253,4 +253,16 @@ def write_results(
         parts += ["## Kiln metering on vs off", "", *metering, ""]
     if notes:
         parts += ["## Notes", "", *[f"- {n}" for n in notes], ""]
-    path.write_text("\n".join(parts))
+    path.write_text("\n".join(parts) + kept_analysis(path))
+
+
+ANALYSIS_MARK = "<!-- analysis: written by hand, kept across runs -->"
+
+
+def kept_analysis(path: Path) -> str:
+    """Return the hand-written analysis at the end of an existing results file, if any."""
+    if not path.exists():
+        return ""
+    text = path.read_text()
+    at = text.find(ANALYSIS_MARK)
+    return "\n" + text[at:] if at >= 0 else ""
