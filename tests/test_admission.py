@@ -274,7 +274,10 @@ def test_sigkilled_worker_gives_its_slots_back_within_the_ttl(start_gateway, fak
     price = load_catalog_for(gw)["fake-model"].pricing
     for e in abandoned:
         assert e["estimated"] and e["completion_tokens"] == 3 and e["ended_at"] is not None
-        assert e["cost_nanos"] == to_nanos(cost_usd(Usage(completion=3), price))
+        # Billed what its last renewal recorded: the estimated prompt and the tokens relayed.
+        assert e["prompt_tokens"] > 0
+        assert e["cost_nanos"] == to_nanos(cost_usd(
+            Usage(prompt=e["prompt_tokens"], completion=3), price))
         assert "lease expired" in e["error"]
     assert_ledger(engine, org.id, 10 * 10**9)
 
