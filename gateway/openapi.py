@@ -26,7 +26,8 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
                503: "service_unavailable"}
 ERROR_CODES = {
     400: ["invalid_json", "invalid_content_type", "missing_required_parameter", "invalid_type",
-          "invalid_value", "empty_array", "unsupported_parameter", "upstream_rejected"],
+          "invalid_value", "empty_array", "unsupported_parameter", "upstream_rejected",
+          "incomplete_body", "context_length_exceeded"],
     401: ["invalid_api_key"],
     402: ["insufficient_credits"],
     403: ["key_revoked", "org_suspended", "model_not_allowed"],
@@ -34,7 +35,8 @@ ERROR_CODES = {
     413: ["request_too_large"],
     429: ["rate_limit_exceeded"],
     500: ["internal_error"],
-    503: ["maintenance", "no_backend_available", "service_unavailable"],
+    503: ["maintenance", "no_backend_available", "service_unavailable",
+          "database_unavailable"],
 }
 ERROR_WHY = {
     400: "Invalid request: malformed JSON, a wrong type or range, an empty `messages` "

@@ -15,6 +15,9 @@ RANGES = {"temperature": (0, 2), "top_p": (0, 1),
           "presence_penalty": (-2, 2), "frequency_penalty": (-2, 2)}
 MAX_STOP_STRINGS = 4
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound
+# No tokenizer puts more than this many bytes of JSON text in one token: a text-only body
+# above context_window x this cannot fit the window.
+MAX_BYTES_PER_TOKEN = 64
 # Content part type -> the field that carries it (OpenAI chat content parts).
 PART_TYPES = {"text": "text", "image_url": "image_url", "input_audio": "input_audio",
               "file": "file"}
@@ -76,6 +79,12 @@ def validate_chat(body, catalog, body_bytes):
     entry = _model(body, catalog)
     messages = body.get("messages")
     has_images = _messages(messages, entry)
+    if not has_images and body_bytes > entry.context_window * MAX_BYTES_PER_TOKEN:
+        # Certain to overflow the context window: refused here rather than after the model
+        # server has spent its time tokenizing it (a single-slot server stalls for everyone).
+        raise InvalidRequest(f"The request ({body_bytes} bytes) cannot fit model "
+                             f"'{entry.id}''s context window of {entry.context_window} tokens.",
+                             param="messages", code="context_length_exceeded")
     stream = _stream(body.get("stream"))
     forward = dict(body)
     forward["stream"] = stream

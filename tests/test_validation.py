@@ -653,3 +653,13 @@ def test_body_shorter_than_content_length_is_refused_not_served(gateway, fake, o
     assert b" 400 " in status_line
     assert json.loads(rest.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "incomplete_body"
     assert_no_trace(engine, fake, org)
+
+
+def test_body_that_cannot_fit_the_context_window_is_refused_early(client, fake, org, engine):
+    # fake-model has an 8,192-token window: 600 kB of text cannot fit whatever the tokenizer.
+    huge = [{"role": "user", "content": "lorem ipsum " * 50_000}]
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="fake-model", messages=huge)
+    assert err.value.body["code"] == "context_length_exceeded"
+    assert err.value.body["param"] == "messages"
+    assert_no_trace(engine, fake, org)
