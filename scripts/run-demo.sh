@@ -19,8 +19,12 @@ pids=()
 cleanup() {
   trap - INT TERM EXIT
   echo; echo "stopping..."
-  for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
-  wait 2>/dev/null || true
+  # Newest first: the gateway lets running streams finish (and settle) while the model server
+  # is still there to finish them; then the model server.
+  for ((i = ${#pids[@]} - 1; i >= 0; i--)); do
+    kill "${pids[i]}" 2>/dev/null || true
+    wait "${pids[i]}" 2>/dev/null || true
+  done
 }
 trap cleanup INT TERM EXIT
 
@@ -33,7 +37,8 @@ wait_http() {  # URL SECONDS NAME
 }
 
 echo "starting the model server (SmolLM2-135M on llama.cpp) on 127.0.0.1:$MODEL_PORT ..."
-scripts/model-server.sh start "$VENV" "$MODEL_PORT" >"$STATE/model-server.log" 2>&1 &
+# Own sessions for both servers: Ctrl-C reaches this script only, which stops them in order.
+setsid scripts/model-server.sh start "$VENV" "$MODEL_PORT" >"$STATE/model-server.log" 2>&1 &
 pids+=($!)
 wait_http "http://127.0.0.1:$MODEL_PORT/v1/models" 120 "the model server"
 
