@@ -51,8 +51,13 @@ class Usage:
         return out
 
 
+MAX_TOKENS_COUNT = 2 ** 31 - 1  # the token columns are 32-bit; no real generation is near it
+
+
 def _count(value):
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        return 0
+    return min(value, MAX_TOKENS_COUNT)
 
 
 def cost_usd(usage, pricing):

@@ -73,7 +73,9 @@ def _admit(services, chat):
                            chat.stream, hold, services.config.lease_ttl_s)
     services.metrics.admission.observe(time.monotonic() - t0)
     services.metrics.in_flight.inc()
-    return Generation(services, principal, chat, gid, hold)
+    gen = Generation(services, principal, chat, gid, hold)
+    gen.client_addr = request.environ.get("kiln.client_addr")
+    return gen
 
 
 # -- non-stream ------------------------------------------------------------------------------

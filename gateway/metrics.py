@@ -117,5 +117,6 @@ def request_record(response):
             "code": error_code(response) if response.status_code >= 400 else None,
             "org_id": getattr(principal, "org_id", None),
             "key_prefix": getattr(principal, "key_prefix", None),
+            "client_addr": request.environ.get("kiln.client_addr"),
             "duration_ms": None if started is None else round(
                 (time.monotonic() - started) * 1000, 1)}

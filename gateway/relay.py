@@ -76,6 +76,7 @@ class Generation:
         self.gone = Event()
         self.resp = None
         self.final_usage = None   # Usage billed, once known
+        self.client_addr = None   # X-Forwarded-For when the peer is a trusted proxy, else peer
         self.opened_relay = False  # the stream body started running
         self._watcher = None
         self._opener = None
@@ -117,7 +118,7 @@ class Generation:
         if self.gone.is_set() or self._upstream_closed:
             self._abort(resp)  # the client left while the status line was on its way
         elif read_body:
-            resp.content  # noqa: B018 - reads and keeps the whole reply
+            upstream.read_whole(resp)
         return resp
 
     def close_upstream(self):
@@ -305,7 +306,8 @@ class Generation:
         # input). The usage event keeps the text; the log says only that there was one.
         u = outcome.usage
         return {"event": "generation", "generation_id": self.gid, "org_id": self.principal.org_id,
-                "key_prefix": self.principal.key_prefix, "model": self.request.entry.id,
+                "key_prefix": self.principal.key_prefix, "client_addr": self.client_addr,
+                "model": self.request.entry.id,
                 "backend": self.backend.url, "stream": self.request.stream,
                 "status": outcome.status, "http_status": outcome.http_status,
                 "prompt_tokens": u.prompt, "cached_tokens": u.cached,

@@ -63,6 +63,21 @@ def _unreachable(err):
     return isinstance(reason, urllib3.exceptions.ConnectTimeoutError)
 
 
+def read_whole(resp):
+    """Read a whole reply body into ``resp.content``.
+
+    :raises UpstreamTimeout: no byte for the read timeout (502).
+    :raises UpstreamError: the backend reset or closed the connection mid-body (502).
+    """
+    try:
+        return resp.content
+    except requests.RequestException as err:
+        if isinstance(err.args[0] if err.args else None, urllib3.exceptions.ReadTimeoutError):
+            raise UpstreamTimeout("The model backend stopped sending its reply (read "
+                                  "timeout).") from err
+        raise UpstreamError("The model backend failed while sending its reply.") from err
+
+
 def error_for(status, body):
     """Map a backend error status and body (bytes) to a gateway error."""
     if status == 429:
@@ -117,8 +132,9 @@ def count_tokens(session, backend, text, timeout_s=2.0):
     try:
         resp = session.post(backend.tokenize_url, json={"input": text}, timeout=timeout_s)
         if resp.status_code == 200:
-            count = resp.json().get("count")
-            return count if isinstance(count, int) else None
+            data = resp.json()
+            count = data.get("count") if isinstance(data, dict) else None
+            return count if isinstance(count, int) and not isinstance(count, bool) else None
     except (requests.RequestException, ValueError):
         return None
     return None

@@ -18,6 +18,7 @@ MAX_TOP_LOGPROBS = 20  # OpenAI's bound
 # No tokenizer puts more than this many bytes of JSON text in one token: a text-only body
 # above context_window x this cannot fit the window.
 MAX_BYTES_PER_TOKEN = 64
+MAX_N = 128  # OpenAI's bound on choices
 # Content part type -> the field that carries it (OpenAI chat content parts).
 PART_TYPES = {"text": "text", "image_url": "image_url", "input_audio": "input_audio",
               "file": "file"}
@@ -97,10 +98,15 @@ def validate_chat(body, catalog, body_bytes):
     if body.get("ignore_eos") is True and entry.family == "gpt-oss":
         raise UnsupportedParameter("ignore_eos is not supported on gpt-oss models: remove it.",
                                    param="ignore_eos")
+    max_tokens = _max_tokens(body, entry)
+    if max_tokens is None:
+        # The hold assumed the model's max output: make the backend keep to it, so that the
+        # cost is never capped by the hold (a server's own default may be its whole window).
+        forward["max_tokens"] = entry.max_output_tokens
     return ChatRequest(entry=entry, body=forward, stream=stream, include_usage=include_usage,
                        stop=_stop(body.get("stop")), single_tool_call=single_tool_call,
                        body_bytes=body_bytes, n_messages=len(messages), has_images=has_images,
-                       max_tokens=_max_tokens(body, entry), n=_positive_int(body, "n") or 1)
+                       max_tokens=max_tokens, n=_n(body))
 
 
 def _model(body, catalog):
@@ -355,6 +361,14 @@ def _is_number(value):
 
 def _is_int(value):
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _n(body):
+    n = _positive_int(body, "n") or 1
+    if n > MAX_N:
+        raise InvalidRequest(f"Invalid 'n': at most {MAX_N} choices.", param="n",
+                             code="invalid_value")
+    return n
 
 
 def _positive_int(body, name):

@@ -6,7 +6,7 @@ import openai
 import pytest
 import requests
 
-from fake_upstream import Hang, Reset, Status, chat_chunk, chat_completion, error_reply, \
+from fake_upstream import Hang, Reset, Send, Status, chat_chunk, chat_completion, error_reply, \
     json_reply, make_usage, sse
 from gateway.billing import Usage, cost_usd, to_nanos
 from gateway.catalog import Pricing
@@ -206,3 +206,19 @@ def test_ninth_concurrent_request_is_429_without_rate_limit_headers(gateway, fak
     for resp in responses:
         resp.close()
     wait_until(lambda: balance_nanos(engine, org.id)[2] == 0)
+
+
+@pytest.mark.parametrize("ending,status", [(Reset(), "upstream_error"), (Hang(), "timeout")])
+def test_non_stream_reply_failing_mid_body_is_502_and_recorded(start_gateway, fake, org, engine,
+                                                             ending, status):
+    """The status line came, then the body broke (reset) or stopped (read timeout)."""
+    gw = start_gateway(upstream_read_timeout_s=1)
+    fake.enqueue([Status(200, {"Content-Type": "application/json", "Content-Length": "500"}),
+                  Send(b'{"id": "chatcmpl-1", "choices": ['), ending])
+    r = requests.post(gw.base_url + "/v1/chat/completions", headers=org.headers, timeout=30,
+                      json={"model": "fake-model", "messages": MESSAGES})
+    assert r.status_code == 502 and r.headers["Content-Type"].startswith("text/plain")
+    event = usage_event(engine, r.headers["X-Neocloud-Generation-Id"])
+    assert event["status"] == status and event["http_status"] == 502
+    assert event["error"] and event["cost_nanos"] == 0
+    assert balance_nanos(engine, org.id) == (10 * 10**9, 0, 0)

@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import uuid
 from decimal import Decimal
 from pathlib import Path
 
@@ -186,3 +187,32 @@ def assert_never_logged(gw, *keys):
             assert secret not in text, f"{secret!r} found in gunicorn's {name}"
     assert "Booting worker" in gw.stderr() and "Booting worker" not in gw.stdout()
     assert os.path.getsize(gw.out_path) > 0
+
+
+def test_client_address_comes_from_forwarded_for_only_behind_a_trusted_proxy(split_gateway,
+                                                                             fake, engine):
+    """nginx (on loopback, trusted by default) sets X-Forwarded-For: the log names that client;
+    with no trusted proxy configured the same header is ignored and the peer is named."""
+    org = make_org(engine, f"logs-xff-{uuid.uuid4().hex[:8]}")
+    body = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}]}
+    r = post(split_gateway, {**org.headers, "X-Forwarded-For": "198.51.100.7, 203.0.113.9"}, body)
+    assert r.status_code == 200
+    gid = r.headers["X-Neocloud-Generation-Id"]
+    line = wait_until(lambda: next((x for x in records(split_gateway)
+                                    if x.get("generation_id") == gid), None))
+    assert line["client_addr"] == "203.0.113.9"  # the entry the trusted proxy appended
+
+
+def test_forwarded_for_from_an_untrusted_peer_is_ignored(pg_url, catalog_path, fake, engine):
+    gw = SplitLogGateway(gateway_env(pg_url, catalog_path, trusted_proxies="192.0.2.1"),
+                         workers=1).start()
+    try:
+        org = make_org(engine, f"logs-noxff-{uuid.uuid4().hex[:8]}")
+        body = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}]}
+        r = post(gw, {**org.headers, "X-Forwarded-For": "203.0.113.9"}, body)
+        gid = r.headers["X-Neocloud-Generation-Id"]
+        line = wait_until(lambda: next((x for x in records(gw)
+                                        if x.get("generation_id") == gid), None))
+        assert line["client_addr"] == "127.0.0.1"
+    finally:
+        gw.stop()

@@ -205,7 +205,7 @@ REJECTED = [
     *[(f"{name}={v!r}", body_with(**{name: v}), 400, "invalid_value", name)
       for name, values in (("temperature", (-0.01, 2.01, "0.5", True)),
                            ("top_p", (-0.5, 1.01)), ("presence_penalty", (-2.01, 2.5)),
-                           ("frequency_penalty", (-3, 2.01)), ("n", (0, -1, 1.5, "2")))
+                           ("frequency_penalty", (-3, 2.01)), ("n", (0, -1, 1.5, "2", 129, 2**63)))
       for v in values],
     *[(f"seed={v!r}", body_with(seed=v), 400, "invalid_type", "seed")
       for v in (1.5, "42", True)],
@@ -414,8 +414,14 @@ def forwarded(client, fake, body, stream=False):
     return fake.requests[-1].json
 
 
+# The catalog's max output per model (tests/conftest.py): sent when the client gives no cap.
+MAX_OUTPUT = {"fake-model": 1024, "fake-vision": 4096, "gpt-oss-fake": 32768}
+
+
 def upstream_body(body, stream=False, drop=()):
     out = {**body, "model": BACKEND_MODEL[body["model"]], "stream": stream}
+    if "max_tokens" not in body and "max_completion_tokens" not in body:
+        out["max_tokens"] = MAX_OUTPUT[body["model"]]
     return {k: v for k, v in out.items() if k not in drop}
 
 
@@ -485,7 +491,7 @@ def test_stream_true_values_stream_and_send_a_boolean(gateway, fake, org, value)
     sent = fake.requests[-1].json
     assert sent["stream"] is True and sent["stream_options"] == {"include_usage": True}
     assert {k: v for k, v in sent.items() if k not in ("stream", "stream_options")} == {
-        "model": "upstream-fake", "messages": MESSAGES}
+        "model": "upstream-fake", "messages": MESSAGES, "max_tokens": 1024}
 
 
 @pytest.mark.parametrize("value", [False, "false", 0, None, DROP])
@@ -496,7 +502,7 @@ def test_stream_false_values_answer_json_and_send_a_boolean(gateway, fake, org, 
     assert r.headers["Content-Type"].startswith("application/json")
     assert r.json()["object"] == "chat.completion"
     assert fake.requests[-1].json == {"model": "upstream-fake", "messages": MESSAGES,
-                                      "stream": False}
+                                      "stream": False, "max_tokens": 1024}
 
 
 def test_stream_options_keep_other_keys_and_usage_is_always_asked(client, fake):
