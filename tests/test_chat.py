@@ -1,5 +1,6 @@
 """The chat endpoint through gunicorn (gevent workers) in front of the scripted fake upstream:
 metering, pricing, the generation header, the usage event and the debit agree exactly."""
+import uuid
 from decimal import Decimal
 
 import openai
@@ -222,3 +223,18 @@ def test_non_stream_reply_failing_mid_body_is_502_and_recorded(start_gateway, fa
     assert event["status"] == status and event["http_status"] == 502
     assert event["error"] and event["cost_nanos"] == 0
     assert balance_nanos(engine, org.id) == (10 * 10**9, 0, 0)
+
+
+def test_key_allow_list_refuses_other_models_with_403(gateway, fake, engine):
+    from gateway import auth
+    org = make_org(engine, "allow-" + uuid.uuid4().hex[:8])
+    with engine.begin() as conn:
+        key = auth.create_key(conn, org.id, allowed_models=["fake-vision"])
+    url = gateway.base_url + "/v1/chat/completions"
+    headers = {"Authorization": f"Bearer {key}"}
+    r = requests.post(url, headers=headers, json={"model": "fake-model", "messages": MESSAGES})
+    assert r.status_code == 403 and r.json()["error"]["code"] == "model_not_allowed"
+    assert r.json()["error"]["param"] == "model"
+    assert fake.requests == [] and balance_nanos(engine, org.id) == (10 * 10**9, 0, 0)
+    ok = requests.post(url, headers=headers, json={"model": "fake-vision", "messages": MESSAGES})
+    assert ok.status_code == 200
