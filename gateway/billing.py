@@ -219,6 +219,16 @@ def _admit_generic(engine, p):
     return Admission(None, *row, bool(expired)) if row else Admission()
 
 
+def current_state(engine, org_id):
+    """Read the org's balance row now (a fresh statement, after any lock wait), as an
+    :class:`Admission` without a generation id."""
+    bal = credit_balances.c
+    with engine.connect() as conn:
+        row = conn.execute(sa.select((bal.balance_nanos - bal.held_nanos).label("available"),
+                                     bal.in_flight).where(bal.org_id == org_id)).first()
+    return Admission(None, row.available, row.in_flight) if row else Admission()
+
+
 def rejection(admission, principal, hold_nanos):
     """Return the error for a rejected :class:`Admission`, or None when its snapshot shows room
     (the org's row changed meanwhile: the caller tries again).

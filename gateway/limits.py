@@ -51,7 +51,12 @@ def admit(engine, catalog, principal, model_id, stream, hold_nanos, lease_ttl_s)
         error = billing.rejection(seen, principal, hold_nanos)
         if error is not None:
             raise error
-    raise RateLimited("Too many concurrent admissions for this organization. Retry with backoff.")
+    # Every attempt saw room in a snapshot taken before the row lock was granted: decide on the
+    # row as it is now, so an org out of credits is told 402, not 429.
+    error = billing.rejection(billing.current_state(engine, principal.org_id), principal,
+                             hold_nanos)
+    raise error or RateLimited("Too many concurrent admissions for this organization. Retry "
+                               "with backoff.")
 
 
 # Event first, then lease: the lock order of settlement (see gateway.billing).
