@@ -9,7 +9,7 @@ Rules that depend on the model (``max_tokens`` at most its max output, image par
 """
 from flask import Blueprint, current_app, jsonify
 
-from .validation import MAX_STOP_STRINGS, RANGES, REASONING_EFFORTS
+from .parameters import MAX_STOP_STRINGS, RANGES, REASONING_EFFORTS
 
 bp = Blueprint("openapi", __name__)
 

@@ -7,18 +7,13 @@ enforces instead. A rejected request calls no upstream, writes nothing and charg
 import json
 from dataclasses import dataclass
 
+from . import parameters
 from .errors import InvalidRequest, ModelNotFound, PayloadTooLarge, UnsupportedParameter
 
 ROLES = ("system", "user", "assistant", "tool")
-REASONING_EFFORTS = ("low", "medium", "high")
-RANGES = {"temperature": (0, 2), "top_p": (0, 1),
-          "presence_penalty": (-2, 2), "frequency_penalty": (-2, 2)}
-MAX_STOP_STRINGS = 4
-MAX_TOP_LOGPROBS = 20  # OpenAI's bound
 # No tokenizer puts more than this many bytes of JSON text in one token: a text-only body
 # above context_window x this cannot fit the window.
 MAX_BYTES_PER_TOKEN = 64
-MAX_N = 128  # OpenAI's bound on choices
 # Content part type -> the field that carries it (OpenAI chat content parts).
 PART_TYPES = {"text": "text", "image_url": "image_url", "input_audio": "input_audio",
               "file": "file"}
@@ -90,23 +85,24 @@ def validate_chat(body, catalog, body_bytes):
     forward = dict(body)
     forward["stream"] = stream
     include_usage = _stream_options(body, stream, forward)
-    _tools(body.get("tools"))
-    _tool_choice(body.get("tool_choice"), entry)
-    single_tool_call = _parallel_tool_calls(body, entry, forward)
-    _enums_and_ranges(body)
-    _response_format(body.get("response_format"), entry)
+    parameters.check_tools(body.get("tools"))
+    parameters.check_tool_choice(body.get("tool_choice"), entry)
+    single_tool_call = parameters.parallel_tool_calls(body, entry, forward)
+    parameters.check_enums_and_ranges(body)
+    parameters.check_response_format(body.get("response_format"), entry)
     if body.get("ignore_eos") is True and entry.family == "gpt-oss":
         raise UnsupportedParameter("ignore_eos is not supported on gpt-oss models: remove it.",
                                    param="ignore_eos")
-    max_tokens = _max_tokens(body, entry)
+    max_tokens = parameters.max_tokens(body, entry)
     if max_tokens is None:
         # The hold assumed the model's max output: make the backend keep to it, so that the
         # cost is never capped by the hold (a server's own default may be its whole window).
         forward["max_tokens"] = entry.max_output_tokens
     return ChatRequest(entry=entry, body=forward, stream=stream, include_usage=include_usage,
-                       stop=_stop(body.get("stop")), single_tool_call=single_tool_call,
-                       body_bytes=body_bytes, n_messages=len(messages), has_images=has_images,
-                       max_tokens=max_tokens, n=_n(body))
+                       stop=parameters.stop_strings(body.get("stop")),
+                       single_tool_call=single_tool_call, body_bytes=body_bytes,
+                       n_messages=len(messages), has_images=has_images, max_tokens=max_tokens,
+                       n=parameters.n_choices(body))
 
 
 def _model(body, catalog):
@@ -223,11 +219,12 @@ def _assistant(message, content, where, entry):
 def _stream(value):
     """Read ``stream`` as the reference does: ``true``, ``"true"``, ``1`` are true; ``false``,
     ``"false"``, ``0``, ``null`` are false; nothing else (not ``"1"``, ``1.0``, ``"True"``)."""
-    if value is True or value == "true" or (_is_int(value) and value == 1):
+    integer = parameters.is_int(value)
+    if value is True or value == "true" or (integer and value == 1):
         return True
-    if value is False or value is None or value == "false" or (_is_int(value) and value == 0):
+    if value is False or value is None or value == "false" or (integer and value == 0):
         return False
-    code = "invalid_value" if isinstance(value, str) or _is_int(value) else "invalid_type"
+    code = "invalid_value" if isinstance(value, str) or integer else "invalid_type"
     raise InvalidRequest("Invalid 'stream': expected true or false (also \"true\", \"false\", "
                          "1 or 0).", param="stream", code=code)
 
@@ -251,171 +248,3 @@ def _stream_options(body, stream, forward):
     # Kiln meters every stream, so the backend always sends usage; other keys are kept.
     forward["stream_options"] = {**options, "include_usage": True}
     return wanted
-
-
-def _tools(tools):
-    if tools is None:
-        return
-    if not isinstance(tools, list):
-        raise InvalidRequest("Invalid 'tools': expected an array.", param="tools",
-                             code="invalid_type")
-    for i, tool in enumerate(tools):
-        where = f"tools[{i}]"
-        if not isinstance(tool, dict) or tool.get("type") != "function":
-            raise InvalidRequest(f"Invalid '{where}.type': only 'function' tools are supported.",
-                                 param=f"{where}.type", code="invalid_value")
-        function = tool.get("function")
-        if not isinstance(function, dict):
-            raise InvalidRequest(f"Missing required parameter: '{where}.function'.",
-                                 param=f"{where}.function", code="missing_required_parameter")
-        for field in ("name", "description"):
-            value = function.get(field)
-            if not isinstance(value, str) or not value.strip():
-                raise InvalidRequest(f"Invalid '{where}.function.{field}': a non-empty string is "
-                                     f"required.", param=f"{where}.function.{field}",
-                                     code="missing_required_parameter")
-        if "parameters" in function and not isinstance(function["parameters"], dict):
-            raise InvalidRequest(f"Invalid '{where}.function.parameters': expected a JSON "
-                                 f"Schema object.", param=f"{where}.function.parameters",
-                                 code="invalid_type")
-
-
-def _tool_choice(choice, entry):
-    if choice is None or choice in ("auto", "none"):
-        return
-    forced = choice == "required" or (
-        isinstance(choice, dict) and choice.get("type") == "function"
-        and isinstance(choice.get("function"), dict)
-        and isinstance(choice["function"].get("name"), str))
-    if not forced:
-        raise InvalidRequest("Invalid 'tool_choice': expected 'auto', 'none', 'required' or "
-                             "a named function.", param="tool_choice", code="invalid_value")
-    if not entry.forced_tool_choice:
-        # The reference documents a silent 500 / empty arguments here; refuse clearly instead.
-        raise UnsupportedParameter(f"Forced tool choice is not supported on model "
-                                   f"'{entry.id}': send tool_choice \"auto\".",
-                                   param="tool_choice")
-
-
-def _parallel_tool_calls(body, entry, forward):
-    value = body.get("parallel_tool_calls")
-    if value is None:
-        return False
-    if not isinstance(value, bool):
-        raise InvalidRequest("Invalid 'parallel_tool_calls': expected a boolean.",
-                             param="parallel_tool_calls", code="invalid_type")
-    if entry.parallel_tool_calls:
-        return False
-    # Not honoured by this model's server: Kiln keeps only the first tool call itself.
-    del forward["parallel_tool_calls"]
-    return value is False
-
-
-def _enums_and_ranges(body):
-    effort = body.get("reasoning_effort")
-    if effort is not None and effort not in REASONING_EFFORTS:
-        raise InvalidRequest("Invalid 'reasoning_effort': expected low, medium or high.",
-                             param="reasoning_effort", code="invalid_value")
-    for name, (low, high) in RANGES.items():
-        value = body.get(name)
-        if value is None:
-            continue
-        if not _is_number(value) or not low <= value <= high:
-            raise InvalidRequest(f"Invalid '{name}': expected a number from {low} to {high}.",
-                                 param=name, code="invalid_value")
-    seed = body.get("seed")
-    if seed is not None and not _is_int(seed):
-        raise InvalidRequest("Invalid 'seed': expected an integer.", param="seed",
-                             code="invalid_type")
-    _logprobs(body)
-    for name, kind in (("user", str), ("metadata", dict), ("logit_bias", dict)):
-        if body.get(name) is not None and not isinstance(body[name], kind):
-            raise InvalidRequest(f"Invalid '{name}': expected "
-                                 f"{'a string' if kind is str else 'an object'}.", param=name,
-                                 code="invalid_type")
-    for token, bias in (body.get("logit_bias") or {}).items():
-        if not _is_number(bias) or not -100 <= bias <= 100:
-            raise InvalidRequest(f"Invalid 'logit_bias': the bias of token {token[:20]!r} must "
-                                 f"be a number from -100 to 100.", param="logit_bias",
-                                 code="invalid_value")
-
-
-def _logprobs(body):
-    logprobs, top = body.get("logprobs"), body.get("top_logprobs")
-    if logprobs is not None and not isinstance(logprobs, bool):
-        raise InvalidRequest("Invalid 'logprobs': expected a boolean.", param="logprobs",
-                             code="invalid_type")
-    if top is None:
-        return
-    if not _is_int(top) or not 0 <= top <= MAX_TOP_LOGPROBS:
-        raise InvalidRequest(f"Invalid 'top_logprobs': expected an integer from 0 to "
-                             f"{MAX_TOP_LOGPROBS}.", param="top_logprobs", code="invalid_value")
-    if logprobs is not True:
-        raise InvalidRequest("Invalid 'top_logprobs': it needs 'logprobs' set to true.",
-                             param="top_logprobs", code="invalid_value")
-
-
-def _is_number(value):
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _is_int(value):
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _n(body):
-    n = _positive_int(body, "n") or 1
-    if n > MAX_N:
-        raise InvalidRequest(f"Invalid 'n': at most {MAX_N} choices.", param="n",
-                             code="invalid_value")
-    return n
-
-
-def _positive_int(body, name):
-    value = body.get(name)
-    if value is None:
-        return None
-    if not _is_int(value) or value < 1:
-        raise InvalidRequest(f"Invalid '{name}': expected an integer of at least 1.",
-                             param=name, code="invalid_value")
-    return value
-
-
-def _max_tokens(body, entry):
-    cap = None
-    for name in ("max_tokens", "max_completion_tokens"):
-        value = _positive_int(body, name)
-        if value is not None and value > entry.max_output_tokens:
-            raise InvalidRequest(f"Invalid '{name}': {value} is above the model's maximum "
-                                 f"output of {entry.max_output_tokens} tokens.", param=name,
-                                 code="invalid_value")
-        cap = value if cap is None else min(cap, value or cap)
-    return cap
-
-
-def _stop(stop):
-    if stop is None:
-        return ()
-    if isinstance(stop, str):
-        stop = [stop]
-    if (not isinstance(stop, list) or len(stop) > MAX_STOP_STRINGS
-            or not all(isinstance(s, str) and s for s in stop)):
-        raise InvalidRequest("Invalid 'stop': expected a non-empty string or an array of up to "
-                             "4 non-empty strings.", param="stop", code="invalid_value")
-    return tuple(stop)
-
-
-def _response_format(fmt, entry):
-    if fmt is None:
-        return
-    kind = fmt.get("type") if isinstance(fmt, dict) else None
-    if kind == "text":
-        return
-    if kind not in ("json_object", "json_schema"):
-        raise InvalidRequest("Invalid 'response_format.type': expected text, json_object or "
-                             "json_schema.", param="response_format", code="invalid_value")
-    if not entry.response_format:
-        # The reference documents 200 with empty content here; refuse clearly instead.
-        raise UnsupportedParameter(f"response_format {kind} is not supported on model "
-                                   f"'{entry.id}': ask for JSON in the prompt instead.",
-                                   param="response_format")
