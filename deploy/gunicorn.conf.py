@@ -105,3 +105,10 @@ def post_worker_init(worker):
     from gateway.errors import GatewayError
     hub = get_hub()
     hub.NOT_ERROR = tuple(hub.NOT_ERROR) + (GatewayError,)
+
+
+def worker_exit(server, worker):
+    """Commit this worker's queued settlements before it exits (stop, reload, max_requests):
+    a graceful stop loses no bill. Runs in the worker, after its last request."""
+    from gateway.ops import drain
+    drain(worker.wsgi)

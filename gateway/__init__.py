@@ -13,18 +13,23 @@ def create_app(config=None):
         ``KILN_*`` environment.
     """
     from . import account, catalog, chat, metrics, openapi, ops, upstream
+    from .completions import Services
     from .db import create_engine
     from .errors import register_error_handlers
-    from .relay import Services
+    from .ledger import Ledger, NullLedger
 
     if not isinstance(config, Config):
         config = Config.from_mapping(config)
     app = Flask(__name__)
     app.config["KILN"] = config
     engine = create_engine(config)
+    models, gauges = catalog.load_catalog(config.models), metrics.Metrics()
+    # Chosen once: the benchmarks' unmetered baseline has no ledger at all (KILN_METERING).
+    ledger = Ledger(create_engine(config, ledger=True), config, models, gauges) \
+        if config.metering else NullLedger()
     services = Services(config=config, engine=engine,
                         session=upstream.create_session(config.upstream_pool_size),
-                        catalog=catalog.load_catalog(config.models), metrics=metrics.Metrics())
+                        catalog=models, metrics=gauges, ledger=ledger)
     app.extensions.update({
         "kiln": services, "kiln.engine": engine, "kiln.catalog": services.catalog,
         "kiln.metrics": services.metrics, "kiln.key_cache": {}, "kiln.maintenance": {},

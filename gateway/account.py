@@ -50,9 +50,11 @@ def generation():
 def generation_view(row):
     """Return the public description of a usage-event row.
 
-    ``cost_usd`` and ``hold_usd`` are exact decimal strings; ``estimated`` marks token counts
-    that Kiln counted itself (the backend sent no usage, or the client left); times are ISO 8601
-    UTC, with ``ttft_ms`` and ``duration_ms`` derived from them (None while unknown).
+    ``cost_usd`` and ``hold_usd`` are exact decimal strings; ``cost_usd`` is None while the
+    event is ``pending`` (a cost, once shown, never changes: docs/METERING.md); ``estimated``
+    marks token counts that Kiln counted itself (the backend sent no usage, or the client left);
+    times are ISO 8601 UTC, with ``ttft_ms`` and ``duration_ms`` derived from them (None while
+    unknown).
     """
     return {
         "id": row.id, "object": "generation", "model": row.model, "stream": row.stream,
@@ -60,8 +62,9 @@ def generation_view(row):
         "prompt_tokens": row.prompt_tokens, "cached_tokens": row.cached_tokens,
         "completion_tokens": row.completion_tokens, "estimated": row.estimated,
         "total_tokens": row.prompt_tokens + row.completion_tokens,
-        "cost_usd": format(from_nanos(row.cost_nanos), "f"),
+        "cost_usd": None if row.status == "pending" else format(from_nanos(row.cost_nanos), "f"),
         "hold_usd": format(from_nanos(row.hold_nanos), "f"), "error": row.error,
+        "error_code": row.error_code, "anomaly": row.anomaly,
         "created_at": _iso(row.started_at), "first_token_at": _iso(row.first_token_at),
         "ended_at": _iso(row.ended_at), "ttft_ms": _ms_between(row.started_at, row.first_token_at),
         "duration_ms": _ms_between(row.started_at, row.ended_at),

@@ -32,6 +32,14 @@ class Principal:
     revoked: bool
     allowed_models: frozenset  # empty: every model
     in_flight_limit: int
+    limit_usd: object = None   # the key's spend limit (Decimal USD), or None
+    limit_reset: str = None    # "daily", "weekly", "monthly", or None (never resets)
+    rpm_limit: int = None      # requests per minute, or None
+
+    @property
+    def key_checks(self):
+        """Admission also counts this key (it has a spend limit or a request rate)."""
+        return self.limit_usd is not None or self.rpm_limit is not None
 
     def may_use(self, model_id):
         """Tell whether the key's allow-list admits ``model_id``."""
@@ -65,8 +73,9 @@ def revoke_key(conn, prefix):
 
 def lookup(engine, key, default_limit):
     """Return the :class:`Principal` for ``key`` in clear, or None when unknown."""
-    query = (sa.select(api_keys.c.id, api_keys.c.prefix, api_keys.c.revoked_at,
-                       api_keys.c.allowed_models, orgs.c.id.label("org_id"), orgs.c.status,
+    k = api_keys.c
+    query = (sa.select(k.id, k.prefix, k.revoked_at, k.allowed_models, k.limit_usd,
+                       k.limit_reset, k.rpm_limit, orgs.c.id.label("org_id"), orgs.c.status,
                        orgs.c.in_flight_limit)
              .join(orgs, orgs.c.id == api_keys.c.org_id)
              .where(api_keys.c.key_hash == hash_key(key)))
@@ -77,7 +86,9 @@ def lookup(engine, key, default_limit):
     return Principal(key_id=row.id, key_prefix=row.prefix, org_id=row.org_id,
                      org_status=row.status, revoked=row.revoked_at is not None,
                      allowed_models=frozenset((row.allowed_models or "").split()),
-                     in_flight_limit=row.in_flight_limit or default_limit)
+                     in_flight_limit=row.in_flight_limit or default_limit,
+                     limit_usd=row.limit_usd, limit_reset=row.limit_reset,
+                     rpm_limit=row.rpm_limit)
 
 
 def authenticate():

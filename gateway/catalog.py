@@ -13,6 +13,9 @@ from flask import Blueprint, current_app, jsonify
 
 from .auth import require_key
 from .errors import ServiceUnavailable
+from .families import FAMILIES
+from .images import DEFAULT_SOURCES, SOURCES
+from .parameters import PARAMETERS
 
 bp = Blueprint("models", __name__)
 
@@ -42,6 +45,7 @@ class Backend:
     model: str
     weight: int = 1
     tokenize_url: str = None  # llama.cpp: ``POST {base}/extras/tokenize/count`` for exact counts
+    server: str = "generic"   # the backend family (gateway.families): what it reads
     health: Health = field(default_factory=Health, repr=False, compare=False)
 
 
@@ -67,6 +71,9 @@ class ModelEntry:
     forced_tool_choice: bool = False
     response_format: bool = False
     stop: bool = True
+    # Non-OpenAI parameters forwarded as given (``top_k``, ``repetition_penalty``, ...).
+    extra_params: tuple = ()
+    image_sources: tuple = DEFAULT_SOURCES  # gateway.images
     created: int = 0
     owned_by: str = "kiln"
     _weights: tuple = field(default=(), repr=False)
@@ -131,6 +138,7 @@ def _entry(raw):
         pricing = Pricing(*(Decimal(str(prices[k])) for k in ("input", "cached_input", "output")))
         extra = {k: raw[k] for k in ("family", "parallel_tool_calls", "forced_tool_choice",
                                      "response_format", "stop", "created", "owned_by") if k in raw}
+        extra.update({k: tuple(raw[k]) for k in ("extra_params", "image_sources") if k in raw})
         entry = ModelEntry(id=raw["id"], context_window=int(raw["context_window"]),
                            max_output_tokens=int(raw["max_output_tokens"]), pricing=pricing,
                            backends=backends, input=tuple(raw.get("input", ["text"])),
@@ -139,6 +147,16 @@ def _entry(raw):
         raise CatalogError(f"catalog entry {raw.get('id', '?')!r}: bad or missing {err}") from err
     if not backends:
         raise CatalogError(f"catalog entry {entry.id!r}: no backends")
+    for backend in backends:
+        if backend.server not in FAMILIES:
+            raise CatalogError(f"catalog entry {entry.id!r}: server {backend.server!r} is not "
+                               f"one of {', '.join(FAMILIES)}")
+    if set(entry.extra_params) & set(PARAMETERS):
+        raise CatalogError(f"catalog entry {entry.id!r}: extra_params may only name "
+                           f"non-OpenAI parameters (Kiln decides the others)")
+    if not set(entry.image_sources) <= set(SOURCES):
+        raise CatalogError(f"catalog entry {entry.id!r}: image_sources must be among "
+                           f"{', '.join(SOURCES)}")
     if min(pricing.input, pricing.cached_input, pricing.output) < 0:
         raise CatalogError(f"catalog entry {entry.id!r}: negative price")
     return entry

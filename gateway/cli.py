@@ -15,7 +15,8 @@ from .account import org_credits
 from .catalog import load_catalog
 from .config import Config
 from .db import create_engine
-from .limits import sweep_expired
+from .ledger import Ledger
+from .ledger.operator import grant
 from .models import orgs
 from .reconcile import format_table, reconcile
 
@@ -204,11 +205,7 @@ def credits_grant(ctx, org_ref, usd, note):
         raise click.BadParameter(f"not a decimal amount: {usd!r}") from err
     org_id = find_org(ctx.engine, org_ref)
     try:
-        with ctx.engine.begin() as conn:
-            # The same plain INSERT an operator runs in psql; the trigger moves the balance.
-            conn.execute(sa.text("INSERT INTO credit_grants (org_id, amount_usd, note) "
-                                 "VALUES (:org, CAST(:amount AS NUMERIC(20, 9)), :note)"),
-                         {"org": org_id, "amount": str(amount), "note": note})
+        grant(ctx.engine, org_id, amount, note)
     except sa.exc.IntegrityError as err:  # the grant trigger refused it (migration 0002)
         raise click.ClickException(str(err.orig).splitlines()[0]) from err
     _show(ctx.engine, org_id)
@@ -262,7 +259,9 @@ def maintenance(ctx, state, retry_after_s, message):
 @pass_ctx
 def sweep(ctx):
     """Close generations whose in-flight lease expired (their worker died)."""
-    closed = sweep_expired(ctx.engine, load_catalog(ctx.config.models))
+    ledger = Ledger(create_engine(ctx.config, ledger=True), ctx.config,
+                    load_catalog(ctx.config.models))
+    closed = ledger.sweep()
     click.echo(f"closed {closed}")
 
 

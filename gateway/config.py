@@ -27,6 +27,16 @@ class Config:
     sweep_interval_s: float = 15.0
     db_pool_size: int = 10
     db_max_overflow: int = 10
+    # Longest wait for a pooled database connection before a request is told 503.
+    db_pool_timeout_s: float = 5.0
+    # Largest non-stream reply and largest single stream event read from a backend.
+    max_reply_bytes: int = 64 * 1024 * 1024
+    max_event_bytes: int = 4 * 1024 * 1024
+    # On graceful shutdown, the longest wait for queued settlements to commit.
+    settle_drain_s: float = 30.0
+    # A completed generation's last bytes wait up to this long for its settlement to commit
+    # (then go out anyway; the settlement keeps being retried).
+    settle_wait_s: float = 5.0
     # False: no lease, no hold, no usage event, no debit. For benchmarks only (bench/metering.py).
     metering: bool = True
     trusted_proxies: str = "127.0.0.1,::1"

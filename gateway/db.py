@@ -18,27 +18,35 @@ def normalize_url(url):
     return url
 
 
-def create_engine(config):
+def create_engine(config, ledger=False):
     """Create the engine for ``config.database_url``.
 
     :param config: a :class:`gateway.config.Config`.
+    :param ledger: the ledger's own pool (Postgres): autocommit connections, since each ledger
+        call is one statement (no BEGIN and COMMIT round trips), sized by ``db_pool_size``; the
+        other pool (reads, the CLI, migrations) is small and transactional.
     """
     url = normalize_url(config.database_url)
     if url.startswith("sqlite"):
         engine = sa.create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
         sa.event.listen(engine, "connect", _sqlite_pragmas)
         return engine
+    options = {"isolation_level": "AUTOCOMMIT"} if ledger else {}
     return sa.create_engine(
         url,
-        pool_size=config.db_pool_size,
-        max_overflow=config.db_max_overflow,
+        pool_size=config.db_pool_size if ledger else 4,
+        max_overflow=config.db_max_overflow if ledger else 4,
+        pool_timeout=config.db_pool_timeout_s,
         # No ping on checkout (it would double the round trips of admission and settlement):
-        # a connection found dead is invalidated and the statement retried (billing.py).
+        # a connection found dead is dropped and the statement retried (gateway.ledger).
         pool_pre_ping=False,
         pool_recycle=1800,
-        # pgbouncer in transaction mode needs server-side prepared statements off.
+        # Protocol-level prepared statements off: pgbouncer before 1.21 cannot keep them in
+        # transaction mode. The ledger's statements are prepared server-side instead (its
+        # PL/pgSQL functions cache their plans per connection).
         connect_args={"prepare_threshold": None, "application_name": "kiln-gateway",
                       "connect_timeout": 5},
+        **options,
     )
 
 

@@ -12,6 +12,9 @@ from werkzeug.exceptions import HTTPException
 
 log = logging.getLogger(__name__)
 
+# The id of the request's usage event, on every response of an admitted request (reference).
+GENERATION_HEADER = "X-Neocloud-Generation-Id"
+
 
 class GatewayError(Exception):
     """Base error: an HTTP status plus the envelope fields."""
@@ -135,6 +138,15 @@ def register_error_handlers(app):
         kind = "invalid_request_error" if err.code < 500 else "server_error"
         return json_error(err.code, {"error": {"message": err.description, "type": kind,
                                                "param": None, "code": code}})
+
+    @app.errorhandler(sa_exc.TimeoutError)
+    def _database_busy(err):
+        # Every pooled connection is busy: told at once, never a 500 after a long wait.
+        g.kiln_error_code = "database_busy"
+        return json_error(503, {"error": {"message": "Kiln's database connections are all "
+                                                     "busy; retry with backoff.",
+                                          "type": "service_unavailable", "param": None,
+                                          "code": "database_busy"}}, {"Retry-After": "1"})
 
     @app.errorhandler(sa_exc.OperationalError)
     def _database_down(err):

@@ -18,7 +18,7 @@ from flask import Blueprint, Response, current_app, g, request
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, multiprocess
 from prometheus_client.exposition import choose_encoder
 
-from .relay import GENERATION_HEADER
+from .errors import GENERATION_HEADER
 
 log = logging.getLogger("kiln.requests")
 bp = Blueprint("metrics", __name__)
@@ -50,8 +50,15 @@ class Metrics:
                                           ["model"], buckets=LATENCY_BUCKETS_S, registry=r)
         self.admission = Histogram("kiln_admission_seconds", "Admission transaction time",
                                    buckets=DB_BUCKETS_S, registry=r)
-        self.settlement = Histogram("kiln_settlement_seconds", "Settlement transaction time",
+        self.settlement = Histogram("kiln_settlement_seconds",
+                                    "Settlement transaction time (one batch)",
                                     buckets=DB_BUCKETS_S, registry=r)
+        self.settlement_batch = Histogram("kiln_settlement_batch_size",
+                                          "Generations settled per transaction",
+                                          buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r)
+        self.anomalies = Counter("kiln_usage_anomalies_total",
+                                 "Generations whose backend reported more than Kiln held for",
+                                 ["model"], registry=r)
 
 
 @bp.get("/metrics")

@@ -39,7 +39,22 @@ api_keys = sa.Table(
     sa.Column("allowed_models", sa.Text, nullable=True),
     sa.Column("created_at", TS, nullable=False, server_default=sa.func.current_timestamp()),
     sa.Column("revoked_at", TS, nullable=True),
+    # Written at most once a minute per key (by settlement), not on every request.
     sa.Column("last_used_at", TS, nullable=True),
+    # Optional spend limit in USD (an operator may set it in SQL), reset at the start of each
+    # UTC day, ISO week or month, or never (NULL); spent and held in the current period.
+    sa.Column("limit_usd", sa.Numeric(20, 9, asdecimal=True), nullable=True),
+    sa.Column("limit_reset", sa.String(8), nullable=True),
+    sa.Column("period_start", TS, nullable=True),
+    sa.Column("period_spent_nanos", sa.BigInteger, nullable=False, server_default="0"),
+    sa.Column("held_nanos", sa.BigInteger, nullable=False, server_default="0"),
+    # Optional requests per UTC minute; the current minute and its count.
+    sa.Column("rpm_limit", sa.Integer, nullable=True),
+    sa.Column("rate_window", TS, nullable=True),
+    sa.Column("rate_count", sa.Integer, nullable=False, server_default="0"),
+    sa.CheckConstraint("limit_reset IN ('daily', 'weekly', 'monthly')", name="limit_reset"),
+    sa.CheckConstraint("limit_usd >= 0", name="limit_not_negative"),
+    sa.CheckConstraint("rpm_limit > 0", name="rpm_positive"),
 )
 
 credit_balances = sa.Table(
@@ -83,6 +98,11 @@ usage_events = sa.Table(
     sa.Column("first_token_at", TS, nullable=True),
     sa.Column("ended_at", TS, nullable=True),
     sa.Column("error", sa.Text, nullable=True),
+    # The outcome's code (gateway.outcomes), every backend tried (JSON array of URLs), and
+    # whether the backend reported more than Kiln held for.
+    sa.Column("error_code", sa.String(64), nullable=True),
+    sa.Column("attempts", sa.Text, nullable=True),
+    sa.Column("anomaly", sa.Boolean, nullable=False, server_default=sa.false()),
     sa.Index("ix_usage_events_org_started", "org_id", "started_at"),
 )
 
@@ -91,9 +111,27 @@ in_flight = sa.Table(
     sa.Column("generation_id", sa.String(40), sa.ForeignKey("usage_events.id"), primary_key=True),
     sa.Column("org_id", sa.Integer, sa.ForeignKey("orgs.id"), nullable=False),
     sa.Column("hold_nanos", sa.BigInteger, nullable=False),
+    # The part of the hold counted against the key's limit (0 when it has none).
+    sa.Column("key_hold_nanos", sa.BigInteger, nullable=False, server_default="0"),
     # A lease stops counting after this time unless renewed (worker killed: SIGKILL, OOM).
     sa.Column("expires_at", TS, nullable=False),
     sa.Index("ix_in_flight_org_expires", "org_id", "expires_at"),
+)
+
+# One row per org, UTC day (of the generation's start), model and key: what GET /v1/activity
+# serves. Written by settlement in the same transaction as the usage events it sums.
+usage_daily = sa.Table(
+    "usage_daily", metadata,
+    sa.Column("org_id", sa.Integer, sa.ForeignKey("orgs.id"), primary_key=True),
+    sa.Column("day", sa.Date, primary_key=True),
+    sa.Column("model", sa.String(200), primary_key=True),
+    sa.Column("api_key_id", sa.Integer, sa.ForeignKey("api_keys.id"), primary_key=True),
+    sa.Column("requests", sa.BigInteger, nullable=False, server_default="0"),
+    sa.Column("errors", sa.BigInteger, nullable=False, server_default="0"),
+    sa.Column("prompt_tokens", sa.BigInteger, nullable=False, server_default="0"),
+    sa.Column("cached_tokens", sa.BigInteger, nullable=False, server_default="0"),
+    sa.Column("completion_tokens", sa.BigInteger, nullable=False, server_default="0"),
+    sa.Column("cost_nanos", sa.BigInteger, nullable=False, server_default="0"),
 )
 
 maintenance = sa.Table(

@@ -9,6 +9,7 @@ Rules that depend on the model (``max_tokens`` at most its max output, image par
 """
 from flask import Blueprint, current_app, jsonify
 
+from .outcomes import Status
 from .parameters import MAX_STOP_STRINGS, RANGES, REASONING_EFFORTS
 
 bp = Blueprint("openapi", __name__)
@@ -346,8 +347,7 @@ def _completion(kind, message_key, message_required):
 
 def _account_schemas():
     count = {"type": "integer", "minimum": 0}
-    statuses = ["pending", "completed", "client_cancelled", "upstream_error", "timeout",
-                "error", "abandoned"]
+    statuses = [status.value for status in Status]
     when = {"type": ["string", "null"], "format": "date-time"}
     return {
         "ModelList": {"type": "object", "required": ["object", "data"], "properties": {
@@ -366,8 +366,11 @@ def _account_schemas():
                            "http_status": {"type": ["integer", "null"]},
                            "prompt_tokens": count, "cached_tokens": count,
                            "completion_tokens": count, "estimated": {"type": "boolean"},
-                           "cost_usd": DECIMAL_USD, "hold_usd": DECIMAL_USD,
-                           "error": {"type": ["string", "null"]},
+                           "cost_usd": {"anyOf": [DECIMAL_USD, {"type": "null"}],
+                                        "description": "null while the event is pending"},
+                           "hold_usd": DECIMAL_USD, "error": {"type": ["string", "null"]},
+                           "error_code": {"type": ["string", "null"]},
+                           "anomaly": {"type": "boolean"},
                            "created_at": when, "first_token_at": when, "ended_at": when}},
         "Health": {"type": "object", "required": ["status"],
                    "properties": {"status": {"const": "ok"}}},

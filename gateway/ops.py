@@ -13,7 +13,6 @@ from flask import Blueprint, current_app, jsonify
 
 from .db import utcnow
 from .errors import ServiceUnavailable
-from .limits import sweep_expired
 from .models import maintenance
 
 log = logging.getLogger(__name__)
@@ -91,6 +90,17 @@ def _sweep_forever(services):
     while True:
         gevent.sleep(services.config.sweep_interval_s)
         try:
-            sweep_expired(services.engine, services.catalog)
+            services.ledger.sweep()
         except sa.exc.SQLAlchemyError:
             log.exception("sweep failed; retrying next interval")
+
+
+def drain(app):
+    """Wait for this process's queued settlements to commit (graceful shutdown: gunicorn's
+    ``worker_exit``); return whether they all did within ``KILN_SETTLE_DRAIN_S``."""
+    services = app.extensions["kiln"]
+    done = services.ledger.drain(services.config.settle_drain_s)
+    if not done:
+        log.error("settlements still queued at exit; their leases expire and the sweeper "
+                  "bills the progress they recorded")
+    return done

@@ -1,6 +1,6 @@
 """Reconciliation: every cent accounted for (``kiln credits reconcile``).
 
-Per org, from one consistent snapshot (one statement):
+Per org, from one consistent snapshot (the ledger's reads, :mod:`gateway.ledger.operator`):
 
 - ``balance = Σ grants − Σ usage costs`` (grants converted exactly as their trigger does);
 - the balance covers the open holds;
@@ -8,17 +8,19 @@ Per org, from one consistent snapshot (one statement):
   lease rows;
 - no lease has expired unswept (its worker died and nothing closed it yet);
 - every pending usage event has a lease (else nothing would ever settle it), and no settled
-  one keeps a lease.
+  one keeps a lease;
+- the daily rollup (``GET /v1/activity``) counts every settled event and sums their costs.
+
+Per key: its held amount equals its leases' key holds, and its spend in the current period
+equals the cost of its events settled in that period.
 
 Holds and leases of requests running right now are fine; at a quiet moment there are none.
 """
 from dataclasses import dataclass
 
-import sqlalchemy as sa
-
-from .billing import from_nanos
+from .billing import format_usd, from_nanos
 from .db import utcnow
-from .models import credit_balances, credit_grants, in_flight, orgs, usage_events
+from .ledger.operator import key_records, org_records
 
 
 @dataclass
@@ -36,15 +38,18 @@ class OrgReconciliation:
 
 
 def reconcile(engine):
-    """Check every org; return ``(rows, names of the orgs that are off)``.
+    """Check every org and key; return ``(rows, names of what is off)``.
 
     :returns: a list of :class:`OrgReconciliation` in org id order, and the names of the orgs
-        whose verdict is not "ok".
+        (and ``key PREFIX`` entries) whose checks failed.
     """
-    with engine.connect() as conn:
-        records = conn.execute(_query(utcnow())).all()
-    rows = [_row(r) for r in records]
-    return rows, [r.name for r in rows if r.verdict != "ok"]
+    rows = [_row(r) for r in org_records(engine, utcnow())]
+    off = [r.name for r in rows if r.verdict != "ok"]
+    for key in key_records(engine):
+        problems = _key_problems(key)
+        if problems:
+            off.append(f"key {key.prefix} of {key.org} ({'; '.join(problems)})")
+    return rows, off
 
 
 def format_table(rows):
@@ -60,60 +65,22 @@ def format_table(rows):
     return "\n".join(lines)
 
 
-def _query(now):
-    grants = _per_org(credit_grants, nanos=sa.func.sum(sa.cast(
-        sa.func.round(credit_grants.c.amount_usd * 10 ** 9), sa.BigInteger)))
-    costs = _per_org(usage_events, nanos=sa.func.sum(usage_events.c.cost_nanos))
-    leases = _per_org(in_flight, n=sa.func.count(), held=sa.func.sum(in_flight.c.hold_nanos),
-                      expired=_count_if(in_flight.c.expires_at < now))
-    lease_exists = sa.exists().where(in_flight.c.generation_id == usage_events.c.id)
-    pending = usage_events.c.status == "pending"
-    stuck = _per_org(usage_events, unleased=_count_if(pending & ~lease_exists),
-                     settled_leased=_count_if(~pending & lease_exists),
-                     where=pending | lease_exists)
-    bal = credit_balances.c
-    return (sa.select(orgs.c.name, bal.balance_nanos, bal.held_nanos, bal.in_flight,
-                      grants.c.nanos.label("grants"), costs.c.nanos.label("costs"),
-                      leases.c.n, leases.c.held, leases.c.expired, stuck.c.unleased,
-                      stuck.c.settled_leased)
-            .select_from(orgs)
-            .outerjoin(credit_balances, bal.org_id == orgs.c.id)
-            .outerjoin(grants, grants.c.org_id == orgs.c.id)
-            .outerjoin(costs, costs.c.org_id == orgs.c.id)
-            .outerjoin(leases, leases.c.org_id == orgs.c.id)
-            .outerjoin(stuck, stuck.c.org_id == orgs.c.id)
-            .order_by(orgs.c.id))
-
-
-def _per_org(table, where=None, **columns):
-    query = sa.select(table.c.org_id, *(c.label(k) for k, c in columns.items()))
-    if where is not None:
-        query = query.where(where)
-    return query.group_by(table.c.org_id).subquery()
-
-
-def _count_if(condition):
-    return sa.func.sum(sa.case((condition, 1), else_=0))
-
-
 def _row(r):
     grants, costs = int(r.grants or 0), int(r.costs or 0)
     leases, held, expired = int(r.n or 0), int(r.held or 0), int(r.expired or 0)
-    balance = r.balance_nanos
     return OrgReconciliation(
         name=r.name, grants_usd=from_nanos(grants), costs_usd=from_nanos(costs),
-        balance_usd=from_nanos(balance or 0), held_usd=from_nanos(r.held_nanos or 0),
-        leases=leases, expired=expired, verdict="; ".join(_problems(r, grants - costs, leases,
-                                                                    held, expired)) or "ok")
+        balance_usd=from_nanos(r.balance_nanos or 0), held_usd=from_nanos(r.held_nanos or 0),
+        leases=leases, expired=expired,
+        verdict="; ".join(_problems(r, grants - costs, leases, held, expired, costs)) or "ok")
 
 
-def _problems(r, expected_balance, leases, held, expired):
+def _problems(r, expected_balance, leases, held, expired, costs):
     if r.balance_nanos is None:
         return ["no credit balance row"]
     problems = []
     if r.balance_nanos != expected_balance:
-        off_usd = format(from_nanos(r.balance_nanos - expected_balance), "f")
-        problems.append(f"balance off by {off_usd} USD")
+        problems.append(f"balance off by {format_usd(r.balance_nanos - expected_balance)} USD")
     if r.balance_nanos < r.held_nanos:
         problems.append("balance below open holds")
     if r.held_nanos != held or r.in_flight != leases:
@@ -124,4 +91,16 @@ def _problems(r, expected_balance, leases, held, expired):
         problems.append(f"{r.unleased} pending event(s) without lease")
     if r.settled_leased:
         problems.append(f"{r.settled_leased} settled event(s) with a lease")
+    if int(r.daily_requests or 0) != int(r.settled or 0) or int(r.daily_costs or 0) != costs:
+        problems.append("daily activity does not sum the usage events")
+    return problems
+
+
+def _key_problems(k):
+    problems = []
+    if k.held_nanos != int(k.lease_holds or 0):
+        problems.append("held amount does not match its leases")
+    off_nanos = k.period_spent_nanos - int(k.events_spent or 0)
+    if off_nanos:
+        problems.append(f"period spend off by {format_usd(off_nanos)} USD")
     return problems

@@ -4,10 +4,10 @@ Events are split on blank lines while still bytes and decoded only whole, so a c
 inside a multi-byte character or between the two newlines that end an event changes nothing
 (WHATWG HTML, "Server-sent events"). Comment, ``event:``, ``id:`` and ``retry:`` lines are
 dropped. A chunk that Kiln does not need to change leaves with its ``data`` payload unchanged,
-byte for byte; Kiln changes only usage (strip it, or add ``cost``), stop strings, and the
-single-tool-call rule. Usage is stripped or priced by editing the payload bytes in place, so even
-then every other field keeps its exact bytes; only a stop cut or a dropped tool call re-serialises
-the chunk.
+byte for byte; Kiln changes only usage (strip it, or write the billed one with ``cost``), stop
+strings, and the single-tool-call rule. Usage is stripped or priced by editing the payload bytes
+in place where it can, so every other field keeps its exact bytes; a stop cut, a dropped tool
+call or a usage Kiln corrected re-serialises the chunk.
 """
 import json
 
@@ -18,34 +18,54 @@ _DECODER = json.JSONDecoder()
 _WS = b" \t\r\n"
 
 
+class EventTooLarge(ValueError):
+    """An event grew past the splitter's limit before it ended."""
+
+
 class EventSplitter:
-    """Accumulate bytes and return whole events' ``data`` payloads.
+    """Accumulate bytes and return whole events' ``data`` payloads, in linear time.
 
     Lines may end in LF, CRLF or CR (the SSE grammar allows all three), also mixed, and a CRLF
-    may be split between two reads.
+    may be split between two reads. Only the bytes after the last event are kept, and each read
+    is searched once: an event arriving in many small reads costs no more than one.
+
+    :param max_event_bytes: an unfinished event longer than this raises :class:`EventTooLarge`.
     """
 
-    def __init__(self):
-        self._buf = b""
+    def __init__(self, max_event_bytes=None):
+        self._buf = bytearray()
         self._after_cr = False  # the last read ended in CR: a leading LF is the rest of a CRLF
+        self.max_event_bytes = max_event_bytes
 
     def feed(self, data):
         """Add ``data``; return the list of complete data payloads (bytes) now available.
 
         Events with no ``data`` line (comments, keepalives, ``retry:``) yield nothing.
+
+        :raises EventTooLarge: the unfinished event passed ``max_event_bytes``.
         """
         if self._after_cr and data[:1] == b"\n":
             data = data[1:]
         self._after_cr = data[-1:] == b"\r"
         if b"\r" in data:
             data = data.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
-        *events, self._buf = (self._buf + data).split(b"\n\n")
-        return [p for p in map(_data_payload, events) if p is not None] if events else []
+        search_from = max(0, len(self._buf) - 1)
+        self._buf += data
+        end = self._buf.rfind(b"\n\n", search_from)
+        events = []
+        if end >= 0:
+            head = bytes(self._buf[:end])
+            del self._buf[:end + 2]
+            events = [p for p in map(_data_payload, head.split(b"\n\n")) if p is not None]
+        if self.max_event_bytes is not None and len(self._buf) > self.max_event_bytes:
+            raise EventTooLarge(f"The model backend sent an event longer than "
+                                f"{self.max_event_bytes} bytes.")
+        return events
 
     @property
     def pending(self):
         """Bytes of an unfinished event (non-empty when a stream was cut mid-event)."""
-        return self._buf.strip()
+        return bytes(self._buf).strip()
 
 
 def _data_payload(event):
@@ -67,12 +87,18 @@ def _cost_literal(cost_usd):
 
 
 def dumps(obj, cost_usd=None):
-    """Serialise ``obj`` compactly; with ``cost_usd`` (Decimal) set ``usage.cost`` exactly."""
-    if cost_usd is None:
-        return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
-    obj["usage"]["cost"] = _COST_MARK
-    text = json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
-    return text.replace(json.dumps(_COST_MARK), _cost_literal(cost_usd)).encode()
+    """Serialise ``obj`` compactly as UTF-8; with ``cost_usd`` (Decimal) set ``usage.cost``
+    exactly. Text that UTF-8 cannot carry (a lone surrogate, from a ``\\ud800`` escape) is
+    written as a JSON escape, intact."""
+    if cost_usd is not None:
+        obj["usage"]["cost"] = _COST_MARK
+    try:
+        text = json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        text = json.dumps(obj, separators=(",", ":")).encode()
+    if cost_usd is not None:
+        text = text.replace(json.dumps(_COST_MARK).encode(), _cost_literal(cost_usd).encode())
+    return text
 
 
 def member_span(payload, key):
@@ -174,31 +200,41 @@ def cut_at_stop(text, stops):
 
 
 class StreamRules:
-    """Apply Kiln's rules to each upstream data payload of a chat stream, and meter it.
+    """Apply Kiln's rules to each backend data payload of a chat stream, counting it.
 
-    One ``json.loads`` per event; a chunk is re-serialised only when a stop cut or the
-    single-tool-call rule changed its choices.
+    One ``json.loads`` per event; a chunk keeps its exact bytes unless Kiln changes it (a stop
+    cut, a dropped tool call, a usage member removed). Usage is Kiln's to tell: a usage-only
+    chunk is held and written at the end with the billed usage (:meth:`usage_frame`); a running
+    usage member on a chunk with choices is removed.
 
-    :param include_usage: the client asked for usage; otherwise no chunk keeps a usage field.
+    :param meter: :class:`gateway.metering.Meter`; a chunk past its budget is not relayed and
+        sets :attr:`cut`.
     :param stops: stop strings to enforce (may be empty).
     :param single_tool_call: keep only the first tool call (``index`` 0).
-    :param price: ``usage dict -> Decimal USD`` billed for it, written as ``usage.cost``.
     """
 
-    def __init__(self, include_usage, stops, single_tool_call, price, collect_text=False):
-        self.include_usage = include_usage
-        # Generated text, kept only when the backend can count it exactly (tokenize endpoint):
-        # a delta is not always one token (a character split across tokens comes whole).
-        self.texts = [] if collect_text else None
+    def __init__(self, meter, stops, single_tool_call):
+        self.meter = meter
         self.cutter = StopCutter(stops) if stops else None
         self.single_tool_call = single_tool_call
-        self.price = price
-        self.usage = None        # the last non-null usage seen (running totals are not summed)
-        self.deltas = 0          # content/tool-call deltas relayed: one token each, as estimated
-        self.finished = set()    # choice indexes that carried a finish_reason
-        self.done = False        # the upstream sent [DONE]
-        self.error = None        # an error frame inside the stream
-        self.chunk_id, self.created, self.model = None, 0, None  # for a synthesised usage chunk
+        self.usage_payload = None  # the backend's usage-only chunk, held for the end
+        self.indexes = set()       # choice indexes seen
+        self.done = False          # the backend sent [DONE]
+        self.error = None          # an error frame inside the stream, or a malformed event
+        self.chunk_id, self.created, self.model = None, 0, None  # for chunks Kiln writes
+
+    @property
+    def cut(self):
+        """Kiln stopped the generation at its budget."""
+        return self.meter.cut
+
+    def _ended(self):
+        return self.meter.finished | (self.cutter.finished if self.cutter else set())
+
+    @property
+    def finished(self):
+        """Every choice seen carried a finish_reason (or was ended at a stop string)."""
+        return bool(self.indexes) and self.indexes <= self._ended()
 
     def apply(self, payload):
         """Return the framed bytes to send for ``payload``, or None to send nothing."""
@@ -208,61 +244,70 @@ class StreamRules:
         try:
             obj = json.loads(payload)
         except ValueError:
-            return frame(payload)
+            obj = None
         if not isinstance(obj, dict):
-            return frame(payload)
+            self.error = {"message": "the model backend sent an event that is not a JSON object"}
+            return None
         if ("error" in obj or obj.get("object") == "error") and not obj.get("choices"):
             # {"error": {...}} (vLLM, SGLang, llama.cpp) or a bare {"object": "error", ...}
             self.error = obj.get("error") or obj
             return None
+        if self.chunk_id is None:
+            self.chunk_id, self.created, self.model = (obj.get("id"), obj.get("created"),
+                                                       obj.get("model"))
+        if not self.meter.admit_chunk(obj):
+            return None  # past the budget: the caller ends the stream
         return self._apply(obj, payload)
 
     def _apply(self, obj, payload):
-        if self.chunk_id is None:
-            self.chunk_id, self.created, self.model = obj.get("id"), obj.get("created"), obj.get(
-                "model")
-        usage = obj.get("usage")
-        if isinstance(usage, dict):
-            self.usage = usage
         choices = obj.get("choices")
+        if not choices:
+            if obj.get("usage") is not None:
+                self.usage_payload = payload
+                return None
+            return frame(payload)
         rewritten = False
-        if isinstance(choices, list) and choices:
-            self._meter(choices)
+        if isinstance(choices, list):
+            self.indexes.update(c.get("index", 0) for c in choices if isinstance(c, dict))
             if self.cutter or self.single_tool_call:
                 rewritten = self._rewrite(obj, choices)
-                if not obj["choices"] and not (self.include_usage and isinstance(usage, dict)):
+                if not obj["choices"]:
                     return None  # every choice of this chunk was already ended at a stop string
-        if "usage" in obj:
-            return self._usage_chunk(obj, payload, rewritten)
-        return frame(dumps(obj)) if rewritten else frame(payload)
-
-    def _usage_chunk(self, obj, payload, rewritten):
-        usage = obj["usage"]
-        if not self.include_usage:
-            if usage is not None and not obj.get("choices"):
-                return None  # the usage chunk the client did not ask for
+        if "usage" in obj:  # running usage, asked for by Kiln: not the client's
             stripped = None if rewritten else without_member(payload, b"usage")
             if stripped is not None:
                 return frame(stripped)
             del obj["usage"]
-            return frame(dumps(obj))
-        if not isinstance(usage, dict):
-            return frame(dumps(obj)) if rewritten else frame(payload)
-        cost = self.price(usage)
-        priced = None if rewritten or "cost" in usage else with_cost(payload, cost)
-        return frame(priced if priced is not None else dumps(obj, cost))
+            rewritten = True
+        return frame(dumps(obj)) if rewritten else frame(payload)
 
-    def _meter(self, choices):
-        for choice in choices:
-            if not isinstance(choice, dict):
-                continue
-            delta = choice.get("delta") or {}
-            if delta.get("content") or delta.get("tool_calls") or delta.get("reasoning_content"):
-                self.deltas += 1
-                if self.texts is not None:
-                    self.texts.append(_delta_text(delta))
-            if choice.get("finish_reason"):
-                self.finished.add(choice.get("index", 0))
+    def length_frame(self):
+        """Return the chunk that ends every unfinished choice with ``finish_reason: "length"``
+        (Kiln stopped the generation at its budget)."""
+        indexes = sorted(self.indexes - self._ended()) or [0]
+        chunk = {"id": self.chunk_id, "object": "chat.completion.chunk", "created": self.created,
+                 "model": self.model,
+                 "choices": [{"index": i, "delta": {}, "finish_reason": "length"}
+                             for i in indexes]}
+        return frame(dumps(chunk))
+
+    def usage_frame(self, usage, cost_usd, as_sent):
+        """Return the usage chunk the client asked for: ``usage`` (an OpenAI usage dict, the
+        billed counts) with ``cost``.
+
+        :param as_sent: the backend's usage chunk already says ``usage``: relay its bytes with
+            only ``cost`` added.
+        """
+        if as_sent and self.usage_payload is not None:
+            priced = with_cost(self.usage_payload, cost_usd)
+            if priced is not None:
+                return frame(priced)
+        chunk = json.loads(self.usage_payload) if self.usage_payload is not None else None
+        if not isinstance(chunk, dict):
+            chunk = {"id": self.chunk_id, "object": "chat.completion.chunk",
+                     "created": self.created, "model": self.model, "choices": []}
+        chunk["usage"] = dict(usage)
+        return frame(dumps(chunk, cost_usd))
 
     def _rewrite(self, obj, choices):
         """Apply stop strings and the single-tool-call rule; return whether anything changed."""
@@ -301,16 +346,6 @@ class StreamRules:
             if rest:
                 delta["content"], changed = (delta.get("content") or "") + rest, True
         return changed
-
-
-def _delta_text(delta):
-    """Return the generated text of a delta: content, reasoning, tool names and arguments."""
-    parts = [delta.get("content"), delta.get("reasoning_content")]
-    for call in delta.get("tool_calls") or ():
-        function = call.get("function") if isinstance(call, dict) else None
-        if isinstance(function, dict):
-            parts += [function.get("name"), function.get("arguments")]
-    return "".join(p for p in parts if isinstance(p, str))
 
 
 def _first_tool_call_only(container):

@@ -26,18 +26,26 @@ def create_session(pool_size):
     return session
 
 
-def open_chat(session, backend, body, timeouts_s):
-    """POST ``body`` to ``backend``'s chat endpoint; return the response once its status is in.
+def encode_body(body):
+    """Serialise a request body (dict) as compact UTF-8 JSON; text UTF-8 cannot carry (a lone
+    surrogate a client sent as ``\\ud800``) is forwarded intact as a JSON escape."""
+    try:
+        return json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        return json.dumps(body, separators=(",", ":")).encode()
+
+
+def open_chat(session, backend, payload, timeouts_s):
+    """POST ``payload`` to ``backend``'s chat endpoint; return the response once its status is in.
 
     The body is not read (``stream=True``); the caller reads it, as a whole or event by event.
 
-    :param body: the validated request body (``model`` is replaced by the backend's name).
+    :param payload: the JSON body (bytes) built for this backend (:func:`encode_body`).
     :param timeouts_s: ``(connect, read)`` seconds; read applies to every wait for bytes.
     :raises UpstreamError: unreachable, timed out, or 5xx (502, plain text).
     :raises UpstreamRejected: the backend refused the request (4xx, passed on as 400).
     :raises ServiceUnavailable: the backend is overloaded (429) (503).
     """
-    payload = json.dumps({**body, "model": backend.model}, separators=(",", ":")).encode()
     try:
         resp = session.post(backend.url.rstrip("/") + CHAT_PATH, data=payload, stream=True,
                             timeout=timeouts_s, headers={"Content-Type": "application/json"})
@@ -63,19 +71,23 @@ def _unreachable(err):
     return isinstance(reason, urllib3.exceptions.ConnectTimeoutError)
 
 
-def read_whole(resp):
-    """Read a whole reply body into ``resp.content``.
+def read_whole(resp, max_bytes):
+    """Read a whole reply body, decoded (gzip, deflate), of at most ``max_bytes``.
 
     :raises UpstreamTimeout: no byte for the read timeout (502).
-    :raises UpstreamError: the backend reset or closed the connection mid-body (502).
+    :raises UpstreamError: the backend reset or closed the connection mid-body, or sent more
+        than ``max_bytes`` (502).
     """
     try:
-        return resp.content
-    except requests.RequestException as err:
-        if isinstance(err.args[0] if err.args else None, urllib3.exceptions.ReadTimeoutError):
-            raise UpstreamTimeout("The model backend stopped sending its reply (read "
-                                  "timeout).") from err
+        data = resp.raw.read(max_bytes + 1, decode_content=True)
+    except (urllib3.exceptions.ReadTimeoutError, TimeoutError) as err:
+        raise UpstreamTimeout("The model backend stopped sending its reply (read "
+                              "timeout).") from err
+    except (urllib3.exceptions.HTTPError, OSError) as err:
         raise UpstreamError("The model backend failed while sending its reply.") from err
+    if len(data) > max_bytes:
+        raise UpstreamError(f"The model backend's reply is larger than {max_bytes} bytes.")
+    return data
 
 
 def error_for(status, body):
@@ -112,6 +124,14 @@ def _read_small(resp, limit=65536):
         return resp.raw.read(limit) or b""
     except (requests.RequestException, urllib3.exceptions.HTTPError, OSError):
         return b""
+
+
+def close(resp):
+    """Give the connection of a reply read to its end back to the pool (kept alive)."""
+    try:
+        resp.raw.release_conn()
+    except (AttributeError, OSError):
+        pass
 
 
 def shutdown(resp):

@@ -1,47 +1,82 @@
-"""The request contract of ``POST /v1/chat/completions``, checked before admission.
+"""The request contract of ``POST /v1/chat/completions``: the body and its messages, checked
+before admission.
 
-Rules follow the endpoint reference's "Request body" section; where the reference documents a
-weakness (silent 500s, ignored ``stop``, empty ``response_format`` replies), Kiln rejects or
-enforces instead. A rejected request calls no upstream, writes nothing and charges nothing.
+Rules follow the endpoint reference's "Request body" section and the message shapes of the
+current OpenAI chat API (roles ``developer``, ``system``, ``user``, ``assistant``, ``tool`` and
+the deprecated ``function``; content as a string or as parts). Where the reference documents a
+weakness (silent 500s, images on text-only models), Kiln refuses instead. A rejected request calls
+no backend, writes nothing and charges nothing. The other parameters are checked in
+:mod:`gateway.parameters`, which also builds the body each backend is sent.
 """
 import json
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
-from . import parameters
+from . import images, parameters
 from .errors import InvalidRequest, ModelNotFound, PayloadTooLarge, UnsupportedParameter
+from .metering import prompt_bound
 
-ROLES = ("system", "user", "assistant", "tool")
 # No tokenizer puts more than this many bytes of JSON text in one token: a text-only body
 # above context_window x this cannot fit the window.
 MAX_BYTES_PER_TOKEN = 64
-# Content part type -> the field that carries it (OpenAI chat content parts).
-PART_TYPES = {"text": "text", "image_url": "image_url", "input_audio": "input_audio",
-              "file": "file"}
+MAX_DEPTH = 64  # nesting of arrays and objects in a body (tool schemas nest; nothing needs more)
+# Content part types each role may send (OpenAI chat API), and the member carrying each part.
+PART_FIELDS = {"text": "text", "image_url": "image_url", "input_audio": "input_audio",
+               "file": "file", "refusal": "refusal"}
+ROLE_PARTS = {"developer": {"text"}, "system": {"text"}, "tool": {"text"},
+              "user": {"text", "image_url", "input_audio", "file"},
+              "assistant": {"text", "refusal"}}
+ROLES = ("developer", "system", "user", "assistant", "tool", "function")
+# Modalities a part needs in the model's catalog ``input`` list.
+PART_MODALITY = {"image_url": "image", "input_audio": "audio", "file": "file"}
 
 
 @dataclass
 class ChatRequest:
-    """A validated chat request: what to forward, and what Kiln itself enforces."""
+    """A validated chat request: what the client asked, and what Kiln enforces itself.
+
+    The body a backend gets is built from it by :func:`gateway.parameters.upstream_body`.
+    """
 
     entry: object            # gateway.catalog.ModelEntry
-    body: dict               # forwarded to the backend (``model`` set per backend at send time)
+    messages: list           # validated messages, as the client sent them
+    params: dict             # other accepted parameters, validated (None values dropped)
     stream: bool
     include_usage: bool      # the client asked for the usage chunk
     stop: tuple              # stop strings Kiln enforces on the output
     single_tool_call: bool   # parallel_tool_calls false on a model that cannot honour it
+    max_tokens: int          # the completion cap of one choice, written by Kiln
+    n: int                   # choices asked for
     body_bytes: int
-    n_messages: int
     has_images: bool
-    max_tokens: int = None
-    n: int = 1
-    backend: object = None   # gateway.catalog.Backend, picked before admission (503 if none)
+    conversation_key: str = ""   # system prompt + first user turn (prefix-affinity routing)
+    extras: dict = field(default_factory=dict)  # catalog-allowed non-OpenAI parameters
+
+    @property
+    def completion_cap(self):
+        """Completion tokens held for and let through, every choice together."""
+        return self.max_tokens * self.n
+
+    @property
+    def n_messages(self):
+        return len(self.messages)
+
+    @property
+    def prompt_bound(self):
+        """The most prompt tokens this request can have (the hold's bound)."""
+        return prompt_bound(self.entry.context_window, self.body_bytes, len(self.messages),
+                            self.has_images)
 
 
 def parse_json_body(raw, content_type, max_body_bytes):
     """Parse the raw request body into a dict.
 
+    Numbers must be finite (``1e400`` and ``NaN`` are refused, RFC 8259 has neither) and
+    nesting is bounded (:data:`MAX_DEPTH`).
+
     :raises PayloadTooLarge: over ``max_body_bytes`` (413).
-    :raises InvalidRequest: not ``application/json``, empty, not JSON or not an object (400).
+    :raises InvalidRequest: not ``application/json``, empty, not JSON, not an object, a
+        non-finite number or nested too deeply (400).
     """
     if len(raw) > max_body_bytes:
         raise PayloadTooLarge(f"Request body is larger than {max_body_bytes} bytes.")
@@ -51,24 +86,50 @@ def parse_json_body(raw, content_type, max_body_bytes):
     if not raw.strip():
         raise InvalidRequest("Request body is empty: send a JSON object.", code="invalid_json")
     try:
-        body = json.loads(raw, parse_constant=_reject_constant)
+        body = json.loads(raw, parse_constant=_reject_constant, parse_float=_finite_float)
+    except RecursionError as err:
+        raise _too_deep() from err
     except (ValueError, UnicodeDecodeError) as err:
         raise InvalidRequest(f"Request body is not valid JSON: {err}", code="invalid_json") from err
     if not isinstance(body, dict):
         raise InvalidRequest("Request body must be a JSON object.", code="invalid_json")
+    check_depth(body)
     return body
 
 
 def _reject_constant(name):
-    # Python's json reads NaN and Infinity, which are not JSON (RFC 8259) and which the
-    # backend could not read back once forwarded.
     raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite_float(text):
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"the number {text[:40]} is out of range")
+    return value
+
+
+def check_depth(value, limit=MAX_DEPTH):
+    """Raise 400 if ``value`` nests arrays and objects deeper than ``limit``."""
+    level = [value]
+    for _ in range(limit):
+        level = [child for node in level
+                 for child in (node.values() if isinstance(node, dict) else node)
+                 if isinstance(child, (dict, list))]
+        if not level:
+            return
+    raise _too_deep()
+
+
+def _too_deep():
+    return InvalidRequest(f"Request body is nested more than {MAX_DEPTH} levels deep.",
+                          code="invalid_json")
 
 
 def validate_chat(body, catalog, body_bytes):
     """Check ``body`` against the contract and return a :class:`ChatRequest`.
 
     :param catalog: ``{model id: ModelEntry}``.
+    :param body_bytes: size of the raw body (bounds the prompt for the hold).
     :raises InvalidRequest: 400, ``param`` naming the field at fault.
     :raises ModelNotFound: 404 ``model_not_found``.
     """
@@ -81,28 +142,10 @@ def validate_chat(body, catalog, body_bytes):
         raise InvalidRequest(f"The request ({body_bytes} bytes) cannot fit model "
                              f"'{entry.id}''s context window of {entry.context_window} tokens.",
                              param="messages", code="context_length_exceeded")
-    stream = _stream(body.get("stream"))
-    forward = dict(body)
-    forward["stream"] = stream
-    include_usage = _stream_options(body, stream, forward)
-    parameters.check_tools(body.get("tools"))
-    parameters.check_tool_choice(body.get("tool_choice"), entry)
-    single_tool_call = parameters.parallel_tool_calls(body, entry, forward)
-    parameters.check_enums_and_ranges(body)
-    parameters.check_response_format(body.get("response_format"), entry)
-    if body.get("ignore_eos") is True and entry.family == "gpt-oss":
-        raise UnsupportedParameter("ignore_eos is not supported on gpt-oss models: remove it.",
-                                   param="ignore_eos")
-    max_tokens = parameters.max_tokens(body, entry)
-    if max_tokens is None:
-        # The hold assumed the model's max output: make the backend keep to it, so that the
-        # cost is never capped by the hold (a server's own default may be its whole window).
-        forward["max_tokens"] = entry.max_output_tokens
-    return ChatRequest(entry=entry, body=forward, stream=stream, include_usage=include_usage,
-                       stop=parameters.stop_strings(body.get("stop")),
-                       single_tool_call=single_tool_call, body_bytes=body_bytes,
-                       n_messages=len(messages), has_images=has_images, max_tokens=max_tokens,
-                       n=parameters.n_choices(body))
+    checked = parameters.check(body, entry)
+    return ChatRequest(entry=entry, messages=messages, body_bytes=body_bytes,
+                       has_images=has_images, conversation_key=_conversation_key(messages),
+                       **checked)
 
 
 def _model(body, catalog):
@@ -135,23 +178,31 @@ def _messages(messages, entry):
 
 
 def _message(i, message, entry):
+    """Check one message by its role; return whether it holds an image part."""
     where = f"messages[{i}]"
     if not isinstance(message, dict):
         raise InvalidRequest(f"Invalid '{where}': expected an object.", param=where,
                              code="invalid_type")
     role = message.get("role")
     if role not in ROLES:
-        raise InvalidRequest(f"Invalid '{where}.role': {role!r} is not one of "
+        raise InvalidRequest(f"Invalid '{where}.role': {str(role)[:40]!r} is not one of "
                              f"{', '.join(ROLES)}.", param=f"{where}.role", code="invalid_value")
-    content = message.get("content")
-    if role == "system":
-        _require_string(content, f"{where}.content")
-        return False
+    _optional_string(message, "name", where)
     if role == "assistant":
-        return _assistant(message, content, where, entry)
+        return _assistant(message, where, entry)
+    if role == "function":  # deprecated: a function's result, answered by name
+        _require_string(message.get("name"), f"{where}.name")
+        if message.get("content") is not None:
+            _require_string(message.get("content"), f"{where}.content")
+        return False
     if role == "tool":
         _require_string(message.get("tool_call_id"), f"{where}.tool_call_id")
-    return _text_or_parts(content, f"{where}.content", entry)
+    return _content(message.get("content"), f"{where}.content", role, entry)
+
+
+def _optional_string(message, name, where):
+    if message.get(name) is not None:
+        _require_string(message[name], f"{where}.{name}")
 
 
 def _require_string(value, param):
@@ -163,88 +214,76 @@ def _require_string(value, param):
                              code="invalid_type")
 
 
-def _text_or_parts(content, param, entry):
-    """Check a string or an array of content parts (forwarded unchanged); return whether it
-    holds an image part."""
+def _content(content, param, role, entry):
+    """Check a string or an array of content parts; return whether it holds an image."""
     if not isinstance(content, list):
         _require_string(content, param)
         return False
-    has_images = False
-    for j, part in enumerate(content):
-        where = f"{param}[{j}]"
-        if not isinstance(part, dict) or not isinstance(part.get("type"), str):
-            raise InvalidRequest(f"Invalid '{where}': expected a content part object with a "
-                                 f"'type'.", param=where, code="invalid_type")
-        _part_fields(part, where)
-        if part["type"] == "image_url":
-            if "image" not in entry.input:
-                # The reference warns images fail silently on text-only models; refuse instead.
-                raise UnsupportedParameter(
-                    f"Invalid '{where}': model '{entry.id}' does not accept image input.",
-                    param=where)
-            has_images = True
-    return has_images
+    if not content:
+        raise InvalidRequest(f"Invalid '{param}': the array must contain at least one part.",
+                             param=param, code="empty_array")
+    return any([_part(part, f"{param}[{j}]", role, entry) for j, part in enumerate(content)])
 
 
-def _part_fields(part, where):
-    """Check a content part's own fields (OpenAI's part types); the backend would answer a
-    malformed one with a 500, seen by the client as a bare 502."""
+def _part(part, where, role, entry):
+    if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+        raise InvalidRequest(f"Invalid '{where}': expected a content part object with a "
+                             f"'type'.", param=where, code="invalid_type")
     kind = part["type"]
-    if kind not in PART_TYPES:
-        raise InvalidRequest(f"Invalid '{where}.type': {kind[:40]!r} is not one of "
-                             f"{', '.join(PART_TYPES)}.", param=f"{where}.type",
-                             code="invalid_value")
-    value = part.get(PART_TYPES[kind])
-    if kind == "text":
-        _require_string(value, f"{where}.text")
-    elif kind == "image_url" and not (isinstance(value, str) or (
-            isinstance(value, dict) and isinstance(value.get("url"), str))):
-        raise InvalidRequest(f"Invalid '{where}.image_url': expected an object with a 'url'.",
-                             param=f"{where}.image_url", code="invalid_type")
-    elif not isinstance(value, (dict, str)):
-        raise InvalidRequest(f"Invalid '{where}.{PART_TYPES[kind]}': expected an object.",
-                             param=f"{where}.{PART_TYPES[kind]}", code="invalid_type")
-
-
-def _assistant(message, content, where, entry):
-    tool_calls = message.get("tool_calls")
-    if tool_calls is not None and not isinstance(tool_calls, list):
-        raise InvalidRequest(f"Invalid '{where}.tool_calls': expected an array.",
-                             param=f"{where}.tool_calls", code="invalid_type")
-    if content is None and tool_calls:
-        return False  # a tool-call reply: content may be null or absent (reference)
-    return _text_or_parts(content, f"{where}.content", entry)
-
-
-def _stream(value):
-    """Read ``stream`` as the reference does: ``true``, ``"true"``, ``1`` are true; ``false``,
-    ``"false"``, ``0``, ``null`` are false; nothing else (not ``"1"``, ``1.0``, ``"True"``)."""
-    integer = parameters.is_int(value)
-    if value is True or value == "true" or (integer and value == 1):
+    if kind not in ROLE_PARTS[role]:
+        raise InvalidRequest(f"Invalid '{where}.type': {kind[:40]!r} is not a part type of "
+                             f"{role} messages ({', '.join(sorted(ROLE_PARTS[role]))}).",
+                             param=f"{where}.type", code="invalid_value")
+    modality = PART_MODALITY.get(kind)
+    if modality and modality not in entry.input:
+        # The reference warns images fail silently on text-only models; refuse instead.
+        raise UnsupportedParameter(f"Invalid '{where}': model '{entry.id}' does not accept "
+                                   f"{modality} input.", param=where)
+    value = part.get(PART_FIELDS[kind])
+    if kind in ("text", "refusal"):
+        _require_string(value, f"{where}.{kind}")
+    elif kind == "image_url":
+        images.check_image_url(value, f"{where}.image_url", entry.image_sources)
         return True
-    if value is False or value is None or value == "false" or (integer and value == 0):
-        return False
-    code = "invalid_value" if isinstance(value, str) or integer else "invalid_type"
-    raise InvalidRequest("Invalid 'stream': expected true or false (also \"true\", \"false\", "
-                         "1 or 0).", param="stream", code=code)
+    elif not isinstance(value, dict):
+        raise InvalidRequest(f"Invalid '{where}.{kind}': expected an object.",
+                             param=f"{where}.{kind}", code="invalid_type")
+    return False
 
 
-def _stream_options(body, stream, forward):
-    options = body.get("stream_options")
-    if options is None:
-        if stream:
-            forward["stream_options"] = {"include_usage": True}
-        return False
-    if not stream:
-        raise InvalidRequest("Invalid 'stream_options': only allowed when 'stream' is true.",
-                             param="stream_options", code="invalid_value")
-    if not isinstance(options, dict):
-        raise InvalidRequest("Invalid 'stream_options': expected an object.",
-                             param="stream_options", code="invalid_type")
-    wanted = options.get("include_usage", False)
-    if not isinstance(wanted, bool):
-        raise InvalidRequest("Invalid 'stream_options.include_usage': expected a boolean.",
-                             param="stream_options.include_usage", code="invalid_type")
-    # Kiln meters every stream, so the backend always sends usage; other keys are kept.
-    forward["stream_options"] = {**options, "include_usage": True}
-    return wanted
+def _assistant(message, where, entry):
+    tool_calls = message.get("tool_calls")
+    if tool_calls is not None:
+        parameters.check_tool_calls(tool_calls, f"{where}.tool_calls")
+    if message.get("function_call") is not None:
+        parameters.check_function_call(message["function_call"], f"{where}.function_call")
+    _optional_string(message, "refusal", where)
+    audio = message.get("audio")
+    if audio is not None and not (isinstance(audio, dict) and isinstance(audio.get("id"), str)):
+        raise InvalidRequest(f"Invalid '{where}.audio': expected an object with an 'id'.",
+                             param=f"{where}.audio", code="invalid_type")
+    if message.get("content") is None:
+        # A tool-call, function-call, refusal or audio reply: content may be null (reference).
+        if tool_calls or any(message.get(k) is not None
+                             for k in ("function_call", "refusal", "audio")):
+            return False
+        raise InvalidRequest(f"Missing required parameter: '{where}.content' (an assistant "
+                             f"message without tool calls needs content).",
+                             param=f"{where}.content", code="missing_required_parameter")
+    return _content(message["content"], f"{where}.content", "assistant", entry)
+
+
+def _conversation_key(messages):
+    """Return the conversation's stable prefix: its system prompt and first user turn."""
+    head, seen_user = [], False
+    for message in messages:
+        if not isinstance(message, dict):
+            continue
+        role = message.get("role")
+        if role in ("system", "developer") or (role == "user" and not seen_user):
+            content = message.get("content")
+            head.append(content if isinstance(content, str) else json.dumps(content))
+            seen_user |= role == "user"
+        if seen_user:
+            break
+    return "\n".join(head)

@@ -137,20 +137,50 @@ def make_org(engine, name, usd="10", limit=None):
     return Org(org_id, name, key)
 
 
-def balance_nanos(engine, org_id):
-    """Return ``(balance_nanos, held_nanos, in_flight)`` of an org."""
+def balance_nanos(engine, org_id, settled=True, timeout_s=15.0):
+    """Return ``(balance_nanos, held_nanos, in_flight)`` of an org.
+
+    With ``settled``, first wait (up to ``timeout_s``) until the org has no pending usage event:
+    a generation's settlement commits just after its reply is written (README, "Metering").
+    """
+    if settled:
+        _wait_quietly(lambda: _pending(engine, "org_id", org_id) == 0, timeout_s)
     with engine.connect() as conn:
         row = conn.execute(sa.text("SELECT balance_nanos, held_nanos, in_flight FROM "
                                    "credit_balances WHERE org_id = :o"), {"o": org_id}).first()
     return tuple(row)
 
 
-def usage_event(engine, gid):
-    """Return the usage-event row ``gid`` as a mapping, or None."""
+def _pending(engine, column, value):
+    with engine.connect() as conn:
+        return conn.execute(sa.text(f"SELECT count(*) FROM usage_events WHERE {column} = :v "
+                                    f"AND status = 'pending'"), {"v": value}).scalar_one()
+
+
+def _wait_quietly(predicate, timeout_s):
+    deadline = time.monotonic() + timeout_s
+    while not predicate() and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+def usage_event(engine, gid, settled=True, timeout_s=15.0):
+    """Return the usage-event row ``gid`` as a mapping, or None.
+
+    With ``settled``, first wait (up to ``timeout_s``) until it exists and is not pending.
+    """
+    if settled:
+        _wait_quietly(lambda: _pending(engine, "id", gid) == 0 and _exists(engine, gid),
+                      timeout_s)
     with engine.connect() as conn:
         row = conn.execute(sa.text("SELECT * FROM usage_events WHERE id = :g"),
                            {"g": gid}).mappings().first()
     return dict(row) if row else None
+
+
+def _exists(engine, gid):
+    with engine.connect() as conn:
+        return conn.execute(sa.text("SELECT 1 FROM usage_events WHERE id = :g"),
+                            {"g": gid}).first() is not None
 
 
 def wait_until(predicate, timeout_s=10.0, interval_s=0.05):

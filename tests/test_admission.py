@@ -21,8 +21,9 @@ import sqlalchemy as sa
 
 from fake_upstream import (Close, Hang, Reset, Send, Sleep, Status, chat_chunk, chat_completion,
                            default_script, error_reply, json_reply, sse_event)
-from gateway.billing import Usage, cost_usd, from_nanos, hold_for, to_nanos
+from gateway.billing import Usage, cost_usd, from_nanos, hold_nanos, to_nanos
 from gateway.catalog import load_catalog
+from gateway.metering import prompt_bound
 from gateway_proc import balance_nanos, make_org, usage_event, wait_until
 
 CHAT = "/v1/chat/completions"
@@ -30,7 +31,8 @@ MESSAGES = [{"role": "user", "content": "Say hello"}]
 SSE_HEAD = Status(200, {"Content-Type": "text/event-stream"})
 LIMIT = 8  # KILN_DEFAULT_IN_FLIGHT_LIMIT
 KILN = str(Path(sys.executable).with_name("kiln"))
-FINAL = {"completed", "client_cancelled", "upstream_error", "timeout", "abandoned", "error"}
+FINAL = {"completed", "client_cancelled", "rejected", "upstream_error", "timeout", "abandoned",
+         "error"}
 
 
 # -- helpers ---------------------------------------------------------------------------------
@@ -62,7 +64,7 @@ def org_state(engine, org_id):
     with engine.connect() as conn:
         leases = conn.execute(sa.text("SELECT count(*) FROM in_flight WHERE org_id = :o"),
                               {"o": org_id}).scalar_one()
-    _balance, held, counter = balance_nanos(engine, org_id)
+    _balance, held, counter = balance_nanos(engine, org_id, settled=False)
     return leases, counter, held
 
 
@@ -314,8 +316,9 @@ def exact_hold(gw, body):
     """The hold chat.py places for ``body`` (a text-only request sent as compact JSON bytes)."""
     entry = load_catalog_for(gw)[body["model"]]
     raw = json.dumps(body).encode()
-    return hold_for(entry, len(raw), len(body["messages"]),
-                    body.get("max_tokens") or entry.max_output_tokens, False)
+    return hold_nanos(entry.pricing, prompt_bound(entry.context_window, len(raw),
+                                                  len(body["messages"]), False),
+                      body.get("max_tokens") or entry.max_output_tokens)
 
 
 def test_holds_above_the_credits_are_all_402_and_never_overdraw(gateway, fake, engine):
@@ -330,7 +333,7 @@ def test_holds_above_the_credits_are_all_402_and_never_overdraw(gateway, fake, e
 
     def watch_balance():
         while not stop.is_set():
-            seen.append(balance_nanos(engine, org.id))
+            seen.append(balance_nanos(engine, org.id, settled=False))
             time.sleep(0.02)
     watcher = threading.Thread(target=watch_balance)
     watcher.start()
@@ -363,7 +366,7 @@ def test_credits_for_exactly_three_holds_admit_exactly_three(gateway, fake, engi
     try:
         codes = [r.status_code for r in responses]
         assert codes.count(200) == 3 and codes.count(402) == 97
-        assert balance_nanos(engine, org.id) == (3 * hold, 3 * hold, 3)
+        assert balance_nanos(engine, org.id, settled=False) == (3 * hold, 3 * hold, 3)
     finally:
         for r in responses:
             r.close()

@@ -3,7 +3,8 @@ from decimal import Decimal
 
 import pytest
 
-from gateway.billing import Usage, cost_usd, from_nanos, hold_for, to_nanos
+from gateway.billing import Usage, cost_usd, from_nanos, hold_nanos, to_nanos
+from gateway.metering import prompt_bound
 from gateway.catalog import Backend, ModelEntry, Pricing
 
 PRICING = Pricing(input=Decimal("0.10"), cached_input=Decimal("0.05"), output=Decimal("0.30"))
@@ -59,13 +60,11 @@ def test_nanos_round_trip_is_exact():
 
 
 def test_hold_bounds_prompt_by_bytes_and_context_window():
-    small = hold_for(entry(), body_bytes=100, n_messages=1, max_tokens=10, has_images=False)
-    expected = to_nanos(cost_usd(Usage(prompt=100 + 8 + 32, completion=10), PRICING))
-    assert small == expected
-    huge = hold_for(entry(), body_bytes=10**7, n_messages=1, max_tokens=10, has_images=False)
+    small = hold_nanos(PRICING, prompt_bound(4096, 100, 1, False), 10)
+    assert small == to_nanos(cost_usd(Usage(prompt=100 + 8 + 32, completion=10), PRICING))
+    huge = hold_nanos(PRICING, prompt_bound(4096, 10**7, 1, False), 10)
     assert huge == to_nanos(cost_usd(Usage(prompt=4096, completion=10), PRICING))
 
 
-def test_hold_without_max_tokens_uses_model_max_output_and_images_use_window():
-    hold = hold_for(entry(), body_bytes=10, n_messages=1, max_tokens=None, has_images=True)
-    assert hold == to_nanos(cost_usd(Usage(prompt=4096, completion=1024), PRICING))
+def test_hold_of_a_request_with_images_assumes_the_whole_window():
+    assert prompt_bound(4096, 10, 1, True) == 4096

@@ -82,7 +82,14 @@ def test_non_stream_answer_is_billed_exactly(llama_gateway, llama_catalog, engin
     assert before[0] - after[0] == event["cost_nanos"] and after[1:] == (0, 0)
 
 
-def test_stream_answer_is_metered_by_kiln_and_billed_exactly(llama_gateway, llama_catalog,
+def tokens(llama, text):
+    """The model's own count of ``text`` (llama.cpp's tokenize endpoint)."""
+    import requests
+    resp = requests.post(llama + "/extras/tokenize/count", json={"input": text}, timeout=30)
+    return resp.json()["count"]
+
+
+def test_stream_answer_is_metered_by_kiln_and_billed_exactly(llama, llama_gateway, llama_catalog,
                                                              engine):
     # llama.cpp's server sends no usage chunk even when asked: Kiln meters the stream itself.
     org = make_org(engine, "e2e-stream")
@@ -97,12 +104,67 @@ def test_stream_answer_is_metered_by_kiln_and_billed_exactly(llama_gateway, llam
     usage = chunks[-1].usage
     gid = raw.headers["X-Neocloud-Generation-Id"]
     event = wait_until(lambda: (e := usage_event(engine, gid)) and e["status"] != "pending" and e)
-    assert event["status"] == "completed"
+    assert event["status"] == "completed" and event["estimated"] is True
     assert event["completion_tokens"] == usage.completion_tokens > 0
     assert event["prompt_tokens"] == usage.prompt_tokens > 0
+    # Kiln's count of the relayed text is the model's own tokenizer's, or (when the single-slot
+    # server was too busy to answer) the text's bytes: never below the tokenizer's count.
+    assert event["completion_tokens"] in (tokens(llama, text), min(len(text.encode()), 24))
     assert event["cost_nanos"] == expected_nanos(llama_catalog, event)
     assert Decimal(str(usage.model_extra["cost"])) == Decimal(event["cost_nanos"]) / 10**9
     assert before[0] - balance_nanos(engine, org.id)[0] == event["cost_nanos"]
+
+
+STORY = [{"role": "user", "content": "Write a long story about a dragon."}]
+
+
+@pytest.mark.parametrize("lengths", [{"max_tokens": 1, "max_completion_tokens": 500},
+                                     {"max_completion_tokens": 1, "max_tokens": 500},
+                                     {"max_tokens": 1, "n_predict": 400}])
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_model_generates_no_more_than_the_cap_kiln_held_for(
+        llama, llama_gateway, engine, lengths, stream):
+    """Whatever length fields a client mixes, the backend is sent the smallest and the bill is
+    what it generated: one token here (0.10 / 0.30 USD per million tokens)."""
+    org = make_org(engine, f"e2e-cap-{stream}-{'-'.join(lengths)}")
+    extra = {k: v for k, v in lengths.items() if k == "n_predict"}
+    standard = {k: v for k, v in lengths.items() if k != "n_predict"}
+    with sdk(llama_gateway, org.key) as client:
+        raw = client.chat.completions.with_raw_response.create(
+            model="smollm2-135m", messages=STORY, stream=stream, temperature=0,
+            extra_body=extra, **standard,
+            **({"stream_options": {"include_usage": True}} if stream else {}))
+        reply = raw.parse()
+        if stream:
+            chunks = list(reply)
+            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            usage = chunks[-1].usage
+        else:
+            text, usage = reply.choices[0].message.content or "", reply.usage
+    event = usage_event(engine, raw.headers["X-Neocloud-Generation-Id"])
+    assert event["completion_tokens"] == usage.completion_tokens == 1
+    assert tokens(llama, text) <= 1
+    cost = Decimal(event["prompt_tokens"]) * Decimal("0.10") / 10**6 + Decimal("0.30") / 10**6
+    assert Decimal(event["cost_nanos"]) / 10**9 == cost == Decimal(str(usage.model_extra["cost"]))
+    assert 10 * 10**9 - balance_nanos(engine, org.id)[0] == event["cost_nanos"]
+
+
+def test_min_tokens_above_the_cap_is_refused_and_nothing_is_billed(llama_gateway, engine):
+    org = make_org(engine, "e2e-min-tokens")
+    with sdk(llama_gateway, org.key) as client, pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="smollm2-135m", messages=STORY,
+                                       max_completion_tokens=1, extra_body={"min_tokens": 600})
+    assert err.value.body["param"] == "min_tokens"
+    assert balance_nanos(engine, org.id) == (10 * 10**9, 0, 0)
+
+
+def test_a_developer_message_reaches_the_model_as_system(llama_gateway, engine):
+    org = make_org(engine, "e2e-developer")
+    with sdk(llama_gateway, org.key) as client:
+        resp = client.chat.completions.create(
+            model="smollm2-135m", max_tokens=8,
+            messages=[{"role": "developer", "content": "Answer in one word."}, *MESSAGES])
+    assert resp.choices[0].message.content.strip()
 
 
 def test_make_run_smoke_path_on_sqlite(llama_catalog, tmp_path):

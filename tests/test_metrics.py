@@ -68,10 +68,15 @@ def test_counters_sum_over_workers_whichever_served(start_gateway, fake, engine)
         float(Decimal(DEFAULT_COST_NANOS * sent) / 10**9), rel=1e-9)
     for histogram, labels in (("kiln_time_to_first_token_seconds", {"model": "fake-model"}),
                               ("kiln_upstream_latency_seconds", {"model": "fake-model"}),
-                              ("kiln_admission_seconds", {}), ("kiln_settlement_seconds", {})):
+                              ("kiln_admission_seconds", {})):
         assert value(m, histogram + "_count", **labels) == sent, histogram
         assert value(m, histogram + "_bucket", le="+Inf", **labels) == sent, histogram
         assert value(m, histogram + "_sum", **labels) > 0, histogram
+    # settlements are committed in batches: every generation in one, at most one batch each
+    batches = value(m, "kiln_settlement_seconds_count")
+    assert 1 <= batches <= sent and value(m, "kiln_settlement_seconds_sum") > 0
+    assert value(m, "kiln_settlement_batch_size_count") == batches
+    assert value(m, "kiln_settlement_batch_size_sum") == sent
     assert value(m, "kiln_in_flight") == 0
     assert not any(name == "kiln_errors_total" for name, _ in m)
 

@@ -148,11 +148,12 @@ VALID_BODIES = [
     {"model": "fake-model", "messages": MESSAGES, "stream": "false", "max_tokens": 1024,
      "temperature": 0.2, "top_p": 1, "n": 1, "seed": 7, "stop": ["END", "\n\n"],
      "presence_penalty": -2, "frequency_penalty": 2, "tools": [TOOL], "tool_choice": "auto",
-     "parallel_tool_calls": False, "response_format": {"type": "text"}, "top_k": 5},
+     "parallel_tool_calls": False, "response_format": {"type": "text"}},
     {"model": "fake-vision", "messages": [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": [{"type": "text", "text": "What is it?"},
-                                     {"type": "image_url", "image_url": {"url": "data:,"}}]},
+                                     {"type": "image_url", "image_url": {
+                                         "url": "data:image/png;base64,iVBORw0KGgo="}}]},
         {"role": "assistant", "content": None, "tool_calls": [
             {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
         {"role": "tool", "tool_call_id": "c1", "content": "42"}],

@@ -6,6 +6,7 @@ from decimal import Decimal
 
 import pytest
 
+from gateway.metering import Meter
 from gateway.sse import DONE, EventSplitter, StreamRules, frame, member_span, with_cost, \
     without_member
 
@@ -15,13 +16,8 @@ CHUNK = json.dumps({"id": "c1", "object": "chat.completion.chunk", "choices": [
     ensure_ascii=False).encode()
 
 
-def price(usage):
-    return Decimal(usage.get("prompt_tokens", 0)) / 1000 + Decimal(
-        usage.get("completion_tokens", 0)) / 100
-
-
-def rules(include_usage=False, stops=(), single_tool_call=False):
-    return StreamRules(include_usage, stops, single_tool_call, price)
+def rules(stops=(), single_tool_call=False, cap=1000):
+    return StreamRules(Meter(cap), stops, single_tool_call)
 
 
 def feed_pieces(pieces):
@@ -119,49 +115,46 @@ def test_unchanged_chunks_leave_byte_for_byte():
     r = rules(stops=("STOP",))
     assert r.apply(payload) == frame(payload)
     assert r.apply(CHUNK) == frame(CHUNK)
-    assert r.deltas == 2
+    assert r.meter.deltas == 2
 
 
-def test_null_usage_is_stripped_in_place_when_not_asked():
+def test_null_usage_is_stripped_in_place():
     payload = b'{"id": "c", "choices": [{"index": 0, "delta": {"content": "\\u00e9"}}], ' \
               b'"usage": null}'
-    out = rules().apply(payload)
-    assert out == frame(b'{"id": "c", "choices": [{"index": 0, "delta": {"content": '
-                        b'"\\u00e9"}}]}')
+    assert rules().apply(payload) == frame(b'{"id": "c", "choices": [{"index": 0, "delta": '
+                                           b'{"content": "\\u00e9"}}]}')
 
 
-def test_null_usage_is_kept_when_asked():
-    payload = b'{"id":"c","choices":[{"index":0,"delta":{"content":"x"}}],"usage":null}'
-    assert rules(include_usage=True).apply(payload) == frame(payload)
-
-
-def test_usage_on_a_chunk_with_choices_counts_and_is_priced_or_stripped():
+def test_running_usage_on_a_chunk_with_choices_is_counted_and_stripped():
     payload = (b'{"id":"c","choices":[{"index":0,"delta":{},"finish_reason":"stop"}],'
                b'"usage":{"prompt_tokens":10,"completion_tokens":2}}')
-    asked = rules(include_usage=True)
-    out = asked.apply(payload)
-    assert out == frame(payload[:-2] + b',"cost":0.03}}')
-    assert asked.usage == {"prompt_tokens": 10, "completion_tokens": 2}
-    not_asked = rules()
-    out = not_asked.apply(payload)
-    assert b"usage" not in out and json.loads(out[6:])["choices"][0]["finish_reason"] == "stop"
-    assert not_asked.usage == {"prompt_tokens": 10, "completion_tokens": 2}
-
-
-def test_usage_only_chunk_is_dropped_when_not_asked():
     r = rules()
-    assert r.apply(b'{"id":"c","choices":[],"usage":{"prompt_tokens":1,'
-                   b'"completion_tokens":1}}') is None
-    assert r.usage["prompt_tokens"] == 1
+    out = r.apply(payload)
+    assert out == frame(b'{"id":"c","choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}')
+    assert r.meter.reported == {"prompt_tokens": 10, "completion_tokens": 2}
+
+
+def test_the_usage_only_chunk_is_held_for_the_end():
+    r = rules()
+    usage_chunk = b'{"id":"c","choices":[],"usage":{"prompt_tokens":1,"completion_tokens":1}}'
+    assert r.apply(usage_chunk) is None
+    assert r.usage_payload == usage_chunk and r.meter.reported["prompt_tokens"] == 1
+    # as sent, with only the cost added; or rewritten with Kiln's counts
+    assert r.usage_frame({}, Decimal("0.5"), as_sent=True) == frame(
+        usage_chunk[:-2] + b',"cost":0.5}}')
+    kiln = json.loads(r.usage_frame({"prompt_tokens": 3, "completion_tokens": 4,
+                                     "total_tokens": 7}, Decimal("0.01"), as_sent=False)[6:])
+    assert kiln["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7,
+                             "cost": 0.01} and kiln["id"] == "c"
 
 
 def test_running_totals_last_value_counts():
-    r = rules(include_usage=True)
+    r = rules()
     for n in (1, 2, 3):
         r.apply(json.dumps({"choices": [{"index": 0, "delta": {"content": "t"}}],
                             "usage": {"prompt_tokens": 10, "completion_tokens": n}}).encode())
-    assert r.usage == {"prompt_tokens": 10, "completion_tokens": 3}
-    assert r.deltas == 3
+    assert r.meter.reported == {"prompt_tokens": 10, "completion_tokens": 3}
+    assert r.meter.deltas == 3 and r.meter.generated == 3
 
 
 def test_error_frame_and_done_are_noted_not_relayed():
@@ -179,7 +172,7 @@ def test_n_choices_are_all_relayed_and_metered():
                b'{"index":1,"delta":{"content":"b"},"finish_reason":"length"}]}')
     r = rules()
     assert r.apply(payload) == frame(payload)
-    assert r.deltas == 2 and r.finished == {1}
+    assert r.meter.deltas == 2 and r.meter.finished == {1} and not r.finished
 
 
 def test_stop_string_split_across_chunks_is_enforced():
@@ -189,6 +182,7 @@ def test_stop_string_split_across_chunks_is_enforced():
     texts = [json.loads(o[6:])["choices"][0]["delta"]["content"] if o else None for o in outs]
     assert texts == ["abc ", "", "", None]
     assert json.loads(outs[2][6:])["choices"][0]["finish_reason"] == "stop"
+    assert r.finished  # the only choice was ended at its stop string
 
 
 def test_held_back_text_is_released_at_the_finish():
@@ -206,17 +200,38 @@ def test_single_tool_call_rule_rewrites_only_when_needed():
     assert json.loads(out[6:])["choices"][0]["delta"]["tool_calls"] == [{"index": 0}]
 
 
-def test_non_json_data_is_relayed_as_is():
-    assert rules().apply(b"not json") == frame(b"not json")
+@pytest.mark.parametrize("payload", [b"not json", b"[1, 2]", b'"text"'])
+def test_data_that_is_not_a_json_object_fails_the_stream(payload):
+    r = rules()
+    assert r.apply(payload) is None and r.error is not None
 
 
-def test_generated_text_is_collected_for_exact_counting_when_asked():
-    rules = StreamRules(False, (), False, lambda usage: 0, collect_text=True)
+def test_the_budget_stops_the_chunk_that_would_pass_it():
+    r = rules(cap=2)
+    chunk = b'{"id":"c","created":1,"model":"m","choices":[{"index":0,"delta":{"content":"t"}}]}'
+    assert r.apply(chunk) and r.apply(chunk)
+    assert r.apply(chunk) is None and r.cut and r.meter.deltas == 2
+    end = json.loads(r.length_frame()[6:])
+    assert end["choices"] == [{"index": 0, "delta": {}, "finish_reason": "length"}]
+    assert (end["id"], end["model"]) == ("c", "m")
+
+
+def test_a_running_count_past_the_budget_also_stops_it():
+    r = rules(cap=10)
+    ok = {"choices": [{"index": 0, "delta": {"content": "t"}}],
+          "usage": {"prompt_tokens": 1, "completion_tokens": 10}}
+    assert r.apply(json.dumps(ok).encode())
+    ok["usage"]["completion_tokens"] = 11
+    assert r.apply(json.dumps(ok).encode()) is None and r.cut
+
+
+def test_everything_generated_is_counted():
+    r = rules()
     chunks = [{"choices": [{"index": 0, "delta": {"content": "Hel"}}]},
               {"choices": [{"index": 0, "delta": {"tool_calls": [
                   {"index": 0, "function": {"name": "f", "arguments": "{\"a\":"}}]}}]},
-              {"choices": [{"index": 0, "delta": {"reasoning_content": "hm"}}]}]
+              {"choices": [{"index": 0, "delta": {"reasoning_content": "hm"}}]},
+              {"choices": [{"index": 1, "delta": {"refusal": "no"}}]}]
     for chunk in chunks:
-        rules.apply(json.dumps(chunk).encode())
-    assert "".join(rules.texts) == "Helf{\"a\":hm" and rules.deltas == 3
-    assert StreamRules(False, (), False, lambda usage: 0).texts is None
+        r.apply(json.dumps(chunk).encode())
+    assert r.meter.text() == "Helf{\"a\":hmno" and r.meter.deltas == 4

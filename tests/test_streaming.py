@@ -15,23 +15,17 @@ import tempfile
 import time
 from decimal import Decimal
 from pathlib import Path
-from types import SimpleNamespace
 from urllib.parse import urlsplit
 
-import gevent
 import openai
 import pytest
 import requests
 import sqlalchemy as sa
-from gevent.event import Event
-from gevent.queue import Queue
 
-from fake_upstream import Close, Hang, Reset, Send, Sleep, Status, chat_chunk, error_reply, \
-    json_reply, make_usage, sse
+from fake_upstream import Close, Hang, Reset, Send, Sleep, Status, chat_chunk, chat_completion, \
+    error_reply, json_reply, make_usage, sse
 from gateway.billing import Usage, cost_usd, to_nanos
 from gateway.catalog import Pricing
-from gateway.chat import StreamBody, _relay
-from gateway.relay import DATA, EOF, GONE
 from gateway_proc import ROOT, Gateway, balance_nanos, free_port, make_org, usage_event, \
     wait_until
 
@@ -240,7 +234,9 @@ def test_events_split_at_any_byte_reach_the_client_exact(gateway, fake, org, eng
     assert raw.status == 200 and raw.ended
     assert raw.body == b"".join(b"data: " + p + b"\n\n" for p in payloads) + b"data: [DONE]\n\n"
     event = settled(engine, raw.gid)
-    assert event["status"] == "completed" and event["completion_tokens"] == 5
+    # No usage from this backend and no tokenizer: the UTF-8 bytes of everything generated
+    # (content "café " and "日本 🙂 –", tool name and arguments), docs/METERING.md
+    assert event["status"] == "completed" and event["completion_tokens"] == 49
     assert_books_balance(engine, org.id)
 
 
@@ -276,7 +272,10 @@ def test_usage_on_a_chunk_with_choices_is_billed_and_priced(client, fake, org, e
         stream_options={"include_usage": True})
     chunks = list(raw.parse())
     with_usage = [c for c in chunks if c.usage is not None]
-    assert len(with_usage) == 1 and with_usage[0].choices  # no second, synthesised usage chunk
+    # The usage a backend put on its last chunk with choices comes as the usage chunk the
+    # client asked for (choices empty), with the cost; the finish chunk keeps its choices.
+    assert len(with_usage) == 1 and not with_usage[0].choices
+    assert chunks[-2].choices[0].finish_reason == "stop"
     assert with_usage[0].usage.completion_tokens == 2
     assert Decimal(str(with_usage[0].usage.model_extra["cost"])) == Decimal(nanos(20, 2)) / 10**9
     event = settled(engine, raw.headers["X-Neocloud-Generation-Id"])
@@ -444,28 +443,42 @@ def test_stream_disconnect_with_running_totals_bills_the_last_total(gateway, fak
     assert_cancelled_and_billed(engine, org, raw.gid, 2, closed_at, record, estimated=False)
 
 
-@pytest.mark.parametrize("stream", [True, False], ids=["stream", "non-stream"])
-def test_disconnect_before_the_upstream_answers(gateway, fake, org, engine, stream):
+def test_stream_disconnect_before_the_upstream_answers_closes_it_and_bills_nothing(
+        gateway, fake, org, engine):
+    """The backend never answered: it is closed at once, and nothing it did not answer is
+    billed (docs/METERING.md, "A client that leaves")."""
     fake.enqueue([Hang()])
-    raw = RawStream(gateway.base_url, org.key, {**stream_body(), "stream": stream})
+    raw = RawStream(gateway.base_url, org.key, stream_body())
     fake.wait_for(lambda rs: rs, timeout=15)
     time.sleep(0.3)  # the gateway waits on the upstream's status line
     closed_at = raw.close()
     record = fake.wait_for(lambda rs: rs[-1].closed_at and rs[-1], timeout=15)
+    assert record.closed_at - closed_at < 1.0
     gid, = [e["id"] for e in org_events(engine, org.id)]
-    assert_cancelled_and_billed(engine, org, gid, 0, closed_at, record)
+    event = settled(engine, gid)
+    assert (event["status"], event["http_status"], event["cost_nanos"]) == \
+        ("client_cancelled", 499, 0)
+    assert balance_nanos(engine, org.id) == (GRANT, 0, 0)
 
 
-def test_non_stream_disconnect_while_the_body_is_awaited(gateway, fake, org, engine):
-    fake.enqueue([Status(200, {"Content-Type": "application/json", "Content-Length": "400"},
-                         chunked=False), Send(b'{"id": "x", '), Hang()])
+def test_non_stream_disconnect_still_reads_and_bills_the_whole_reply(gateway, fake, org,
+                                                                     engine):
+    """A model server keeps generating a non-stream reply whose client left (llama-cpp-python
+    does): Kiln reads it to its end and bills its real usage (issue 10, "A settlement is never
+    lost")."""
+    fake.enqueue([Sleep(1.0)] + json_reply(chat_completion("late", usage=make_usage(8, 3))))
     raw = RawStream(gateway.base_url, org.key, {**stream_body(), "stream": False})
-    fake.wait_for(lambda rs: rs and rs[-1].sent_at, timeout=15)
+    fake.wait_for(lambda rs: rs, timeout=15)
     time.sleep(0.2)
-    closed_at = raw.close()
-    record = fake.wait_for(lambda rs: rs[-1].closed_at and rs[-1], timeout=15)
+    raw.close()
+    record = fake.wait_for(lambda rs: rs[-1].completed and rs[-1], timeout=15)
+    assert record.closed_at is None  # the reply was read, not cut
     gid, = [e["id"] for e in org_events(engine, org.id)]
-    assert_cancelled_and_billed(engine, org, gid, 0, closed_at, record)
+    event = settled(engine, gid)
+    assert (event["prompt_tokens"], event["completion_tokens"], event["estimated"]) == \
+        (8, 3, False)
+    assert event["cost_nanos"] == 1_700  # 8 × 0.10 + 3 × 0.30 micro-dollars
+    assert GRANT - balance_nanos(engine, org.id)[0] == 1_700
 
 
 def test_pipelined_bytes_do_not_fire_the_watcher_but_a_close_still_does(gateway, fake, org,
@@ -505,8 +518,9 @@ def test_failures_before_the_stream_began_are_plain_errors(client, gateway, fake
         client.chat.completions.create(model="fake-model", messages=MESSAGES, stream=True)
     assert "maximum context length" in err.value.body["message"]
     assert balance_nanos(engine, org.id) == (GRANT, 0, 0)
-    assert all(e["cost_nanos"] == 0 and e["status"] == "upstream_error"
-               for e in org_events(engine, org.id))
+    events = org_events(engine, org.id)
+    assert [e["status"] for e in events] == ["upstream_error", "upstream_error", "rejected"]
+    assert all(e["cost_nanos"] == 0 for e in events)
 
 
 def one_token_then(*steps):
@@ -552,10 +566,10 @@ def test_no_byte_for_the_read_timeout_is_an_error_event(start_gw, fake, org, eng
     gw = start_gw(upstream_read_timeout_s=1)
     fake.enqueue(one_token_then(Hang()))
     raw = RawStream(gw.base_url, org.key, stream_body()).read_all()
-    assert_one_error_event(raw, "upstream_timeout", "read timeout")
+    assert_one_error_event(raw, "upstream_timeout", "idle timeout")
     event = settled(engine, raw.gid)
     assert event["status"] == "timeout" and event["completion_tokens"] == 1
-    assert "read timeout" in event["error"]
+    assert "idle timeout" in event["error"]
     assert fake.wait_for(lambda rs: rs[-1].closed_at, timeout=15)  # we hung up on it
     assert_books_balance(engine, org.id)
 
@@ -597,7 +611,8 @@ def test_every_request_is_settled_exactly_once(start_gw, fake, engine):
         record = fake.wait_for(lambda rs: len(rs) > seen and rs[-1], timeout=15)
         after(raw)
         raw.close()
-        wait_until(lambda: record.closed_at, timeout_s=15)
+        # a stream's backend is closed; a non-stream reply is still read to its end
+        wait_until(lambda: record.closed_at or record.completed, timeout_s=15)
 
     post(sse([chat_chunk("a", finish_reason="stop")]))
     post(json_reply({"choices": [{"index": 0, "message": {"content": "x"}}],
@@ -608,7 +623,8 @@ def test_every_request_is_settled_exactly_once(start_gw, fake, engine):
     post(error_reply(500, "boom"))
     cancel(one_token_then(Hang()))
     cancel([Hang()], after=lambda raw: time.sleep(0.3))
-    cancel([Hang()], after=lambda raw: time.sleep(0.3), stream=False)
+    cancel([Sleep(1.0)] + json_reply(chat_completion("late")), after=lambda raw: time.sleep(0.3),
+           stream=False)
     requests_made = len(made)
     assert requests_made == 11
     wait_until(lambda: balance_nanos(engine, org.id)[2] == 0)
@@ -616,111 +632,6 @@ def test_every_request_is_settled_exactly_once(start_gw, fake, engine):
     assert len(evts) == requests_made and all(e["status"] != "pending" for e in evts)
     assert kiln_requests_total(gw) == requests_made
     assert_books_balance(engine, org.id)
-
-
-# -- the relay generator itself, without HTTP -------------------------------------------------
-
-class StubGeneration:
-    """The parts of :class:`gateway.relay.Generation` the relay uses, recording settlement."""
-
-    def __init__(self, close_fails=False):
-        self.services = SimpleNamespace(config=SimpleNamespace(keepalive_s=5, lease_ttl_s=60))
-        self.request = SimpleNamespace(include_usage=False, stop=(), single_tool_call=False)
-        self.events, self.gone = Queue(), Event()
-        self.final_usage, self.opened_relay = None, False
-        self.gid = "gen-stub"
-        self.backend = SimpleNamespace(tokenize_url=None)
-        self.settlements, self.closed, self.close_fails = [], 0, close_fails
-
-    def price(self, usage):
-        return Decimal(0)
-
-    def start_pump(self, resp):
-        pass
-
-    def close_upstream(self):
-        self.closed += 1
-        if self.close_fails:
-            raise OSError("close failed")
-
-    def finish(self, status, usage, http_status, error=None):
-        self.settlements.append((status, usage.completion, http_status))
-
-    def renew_lease(self, usage):
-        pass
-
-    def mark_first_token(self):
-        pass
-
-    def estimate_prompt(self, exact=True):
-        return 7
-
-    def count_completion(self, rules):
-        return rules.deltas
-
-
-def answered_opener():
-    opener = gevent.spawn(lambda: "response")
-    opener.join()
-    return opener
-
-
-def chunk_bytes(content):
-    return b"data: " + json.dumps(chat_chunk(content)).encode() + b"\n\n"
-
-
-def test_body_closed_before_iteration_settles_once_and_closes_the_upstream():
-    gen = StubGeneration()
-    StreamBody(gen, answered_opener()).close()
-    assert gen.settlements == [("client_cancelled", 0, 499)] and gen.closed == 1
-
-
-def test_close_while_the_error_event_is_being_written_settles_once_as_the_error():
-    gen = StubGeneration()
-    body = StreamBody(gen, answered_opener())
-    it = iter(body)
-    assert next(it) == b""
-    gen.events.put((DATA, chunk_bytes("a") + b'data: {"error": {"message": "oom"}}\n\n'))
-    assert next(it).startswith(b"data: ")  # the token
-    assert b'"error"' in next(it)  # suspended at the yield inside `except`
-    body.close()  # the write failed: GeneratorExit lands inside the except block
-    assert gen.settlements == [("upstream_error", 1, 200)]
-
-
-def test_client_gone_mid_stream_settles_once_after_a_full_close():
-    gen = StubGeneration()
-    body = StreamBody(gen, answered_opener())
-    it = iter(body)
-    next(it)
-    gen.events.put((DATA, chunk_bytes("a") + chunk_bytes("b")))
-    next(it)
-    gen.events.put((GONE, None))
-    assert list(it) == []
-    body.close()
-    assert gen.settlements == [("client_cancelled", 2, 499)] and gen.closed == 1
-
-
-def test_a_failing_upstream_close_still_settles():
-    gen = StubGeneration(close_fails=True)
-    body = StreamBody(gen, answered_opener())
-    it = iter(body)
-    next(it)
-    gen.events.put((DATA, chunk_bytes("a")))
-    next(it)
-    gen.events.put((EOF, None))
-    with pytest.raises(OSError):
-        list(it)  # ended early: error event, then the failing close in `finally`
-    body.close()
-    assert gen.settlements == [("upstream_error", 1, 200)]
-
-
-def test_an_unexpected_error_is_an_error_event_and_settles_as_error(monkeypatch):
-    gen = StubGeneration()
-    monkeypatch.setattr(gen, "mark_first_token", lambda: 1 / 0)
-    gen.events.put((DATA, chunk_bytes("a")))
-    out = list(_relay(gen, answered_opener()))
-    assert json.loads(out[-1][6:])["error"]["code"] == "internal_error"
-    assert gen.settlements == [("error", 1, 500)]
 
 
 # -- the real model server ------------------------------------------------------------------

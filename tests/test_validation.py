@@ -113,8 +113,24 @@ REJECTED = [
      "messages[1].role"),
     ("system-no-content", body_with(messages=[{"role": "system"}]), 400,
      "missing_required_parameter", "messages[0].content"),
-    ("system-parts", body_with(messages=[{"role": "system", "content": [
-        {"type": "text", "text": "x"}]}]), 400, "invalid_type", "messages[0].content"),
+    ("system-image-part", body_with(model="fake-vision", messages=[{"role": "system",
+                                                                      "content": [IMAGE]}]),
+     400, "invalid_value", "messages[0].content[0].type"),
+    ("assistant-junk-tool-call", body_with(messages=history(
+        {"role": "assistant", "content": None, "tool_calls": [CALL, {"id": "x", "junk": 1}]})),
+     400, "invalid_type", "messages[1].tool_calls[1].function"),
+    ("unknown-parameter", body_with(top_k=40), 400, "unknown_parameter", "top_k"),
+    ("unknown-chat-template-kwargs", body_with(chat_template_kwargs={"enable_thinking": False}),
+     400, "unknown_parameter", "chat_template_kwargs"),
+    ("stream_options-unknown", body_with(stream=True, stream_options={
+        "continuous_usage_stats": True}), 400, "unknown_parameter",
+     "stream_options.continuous_usage_stats"),
+    ("min_tokens-above-cap", body_with(max_tokens=5, min_tokens=6), 400, "invalid_value",
+     "min_tokens"),
+    ("audio-output", body_with(modalities=["text", "audio"]), 400, "unsupported_parameter",
+     "modalities"),
+    ("web-search", body_with(web_search_options={}), 400, "unsupported_parameter",
+     "web_search_options"),
     ("user-no-content", body_with(messages=[{"role": "user"}]), 400,
      "missing_required_parameter", "messages[0].content"),
     ("user-number", body_with(messages=[user(5)]), 400, "invalid_type", "messages[0].content"),
@@ -418,18 +434,29 @@ def forwarded(client, fake, body, stream=False):
 MAX_OUTPUT = {"fake-model": 1024, "fake-vision": 4096, "gpt-oss-fake": 32768}
 
 
+# Accepted and never sent (docs/PARAMETERS.md).
+DROPPED = {"user", "metadata", "store", "service_tier", "prompt_cache_key",
+           "prompt_cache_retention", "safety_identifier", "verbosity", "modalities",
+           "prediction"}
+
+
 def upstream_body(body, stream=False, drop=()):
-    out = {**body, "model": BACKEND_MODEL[body["model"]], "stream": stream}
-    if "max_tokens" not in body and "max_completion_tokens" not in body:
-        out["max_tokens"] = MAX_OUTPUT[body["model"]]
-    return {k: v for k, v in out.items() if k not in drop}
+    """What the fake backend (family ``generic``) must receive for ``body``: the backend's
+    model, no null or dropped field, and the cap Kiln held for in both length fields."""
+    lengths = [body[k] for k in ("max_tokens", "max_completion_tokens") if body.get(k)]
+    cap = min(lengths) if lengths else MAX_OUTPUT[body["model"]]
+    out = {k: v for k, v in body.items()
+           if v is not None and k not in DROPPED and k not in drop}
+    out.update(model=BACKEND_MODEL[body["model"]], stream=stream, max_tokens=cap,
+               max_completion_tokens=cap)
+    return out
 
 
 FULL_HISTORY = [
     {"role": "system", "content": "Answer briefly."},
     user([{"type": "text", "text": "What is in this image?"}, IMAGE]),
-    # tool_calls in the history are forwarded unchanged, never checked like ``tools``
-    {"role": "assistant", "content": None, "tool_calls": [CALL, {"id": "x", "junk": True}]},
+    # tool_calls in the history are forwarded unchanged
+    {"role": "assistant", "content": None, "tool_calls": [CALL]},
     {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 21}'},
     {"role": "assistant", "tool_calls": [CALL]},
     {"role": "tool", "tool_call_id": "call_1", "content": [{"type": "text", "text": "ok"}]},
@@ -466,11 +493,15 @@ ACCEPTED = [
     *[(f"response_format-{kind}-vision", body_with(model="fake-vision", response_format={
         "type": kind, "json_schema": {"name": "x", "schema": {"type": "object"}}}), ())
       for kind in ("json_object", "json_schema")],
-    ("ignore_eos-other-model", body_with(ignore_eos=True), ()),
-    ("ignore_eos-false-gpt-oss", body_with(model="gpt-oss-fake", ignore_eos=False), ()),
-    ("unknown-params", body_with(top_k=40, repetition_penalty=1.1, logprobs=True,
-                                 chat_template_kwargs={"enable_thinking": False},
-                                 logit_bias={"50256": -100}, user="u-1"), ()),
+    # ignore_eos is read by vLLM, SGLang and llama.cpp; these backends are "generic"
+    ("ignore_eos-other-model", body_with(ignore_eos=True), ("ignore_eos",)),
+    ("ignore_eos-false-gpt-oss", body_with(model="gpt-oss-fake", ignore_eos=False),
+     ("ignore_eos",)),
+    ("system-text-parts", body_with(messages=[{"role": "system", "content": [
+        {"type": "text", "text": "x"}]}, *MESSAGES]), ()),
+    ("dropped-fields", body_with(store=True, service_tier="auto", prompt_cache_key="k",
+                                 safety_identifier="s", verbosity="low", modalities=["text"],
+                                 prediction={"type": "content", "content": "x"}), ()),
     ("nulls", body_with(temperature=None, tools=None, tool_choice=None, stop=None,
                         response_format=None, stream_options=None), ()),
 ]
@@ -491,7 +522,8 @@ def test_stream_true_values_stream_and_send_a_boolean(gateway, fake, org, value)
     sent = fake.requests[-1].json
     assert sent["stream"] is True and sent["stream_options"] == {"include_usage": True}
     assert {k: v for k, v in sent.items() if k not in ("stream", "stream_options")} == {
-        "model": "upstream-fake", "messages": MESSAGES, "max_tokens": 1024}
+        "model": "upstream-fake", "messages": MESSAGES, "max_tokens": 1024,
+        "max_completion_tokens": 1024}
 
 
 @pytest.mark.parametrize("value", [False, "false", 0, None, DROP])
@@ -502,17 +534,17 @@ def test_stream_false_values_answer_json_and_send_a_boolean(gateway, fake, org, 
     assert r.headers["Content-Type"].startswith("application/json")
     assert r.json()["object"] == "chat.completion"
     assert fake.requests[-1].json == {"model": "upstream-fake", "messages": MESSAGES,
-                                      "stream": False, "max_tokens": 1024}
+                                      "stream": False, "max_tokens": 1024,
+                                      "max_completion_tokens": 1024}
 
 
-def test_stream_options_keep_other_keys_and_usage_is_always_asked(client, fake):
-    body = body_with(stream_options={"include_usage": False, "continuous_usage_stats": True})
+def test_stream_options_are_kilns_and_usage_is_always_asked(client, fake):
+    options = {"include_usage": False, "include_obfuscation": True}
     reply = client.chat.completions.create(model="fake-model", messages=MESSAGES, stream=True,
-                                           extra_body={"stream_options": body["stream_options"]})
+                                           extra_body={"stream_options": options})
     chunks = list(reply)
     assert all(c.usage is None for c in chunks)  # not asked for: the usage chunk is removed
-    assert fake.requests[-1].json["stream_options"] == {"include_usage": True,
-                                                        "continuous_usage_stats": True}
+    assert fake.requests[-1].json["stream_options"] == {"include_usage": True}
 
 
 # -- output rules Kiln enforces ----------------------------------------------------------------

@@ -1,0 +1,439 @@
+"""One generation's life: admit, send it to a backend, relay the answer (JSON or SSE), settle.
+
+The request flows one way (README, "Layout"): the view (:mod:`gateway.chat`) calls
+:func:`respond`; this module calls the contract (:mod:`gateway.parameters`), the ledger
+(:mod:`gateway.ledger`), the money math (:mod:`gateway.billing`, :mod:`gateway.metering`) and
+the relay (:mod:`gateway.relay`, :mod:`gateway.upstream`, :mod:`gateway.sse`), which return
+values or take callbacks. A generation is settled in exactly one place, the ``finally`` of
+:func:`_life`, with the outcome :func:`gateway.outcomes.outcome_for` gives.
+"""
+import json
+import logging
+import secrets
+import time
+from dataclasses import dataclass
+
+from flask import Response
+
+from . import upstream
+from .billing import Usage, cost_usd, from_nanos, hold_nanos, to_nanos
+from .db import utcnow
+from .errors import GENERATION_HEADER, GatewayError, UpstreamError
+from .ledger import AdmissionRequest, Settlement
+from .metering import (Meter, estimate_completion, estimate_prompt, is_well_formed,
+                       reconcile_usage)
+from .outcomes import CLIENT_CLOSED, LeaseLost, Status, outcome_for
+from .parameters import upstream_body
+from .relay import (ClientGone, ClientWatch, Pump, StreamFailed, UpstreamCall,
+                    keepalives_until_answered, relay_stream)
+from .sse import DONE, StreamRules, apply_to_completion, dumps, frame
+
+log = logging.getLogger("kiln.requests")
+
+STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+EVENT_STREAM = "text/event-stream"
+
+
+@dataclass(frozen=True)
+class Services:
+    """Per-app collaborators a generation needs after the request context is gone."""
+
+    config: object
+    engine: object
+    session: object
+    catalog: dict
+    metrics: object
+    ledger: object
+
+
+@dataclass(frozen=True)
+class Head:
+    """The status line and headers of a generation's response."""
+
+    status: int
+    content_type: str
+    headers: dict
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """Seconds: connecting to a backend, waiting for its first byte (its status line, or a
+    whole non-stream reply), and the longest silence between stream chunks."""
+
+    connect_s: float
+    first_byte_s: float
+    idle_s: float
+
+
+def respond(services, principal, chat, environ):
+    """Admit ``chat`` and return the Flask response that relays it.
+
+    :param chat: :class:`gateway.validation.ChatRequest`.
+    :param environ: the WSGI environ (the client's socket, its address).
+    :raises GatewayError: refused before any byte of the answer (402, 429, 502, 503, ...);
+        an admitted generation is settled before this is raised.
+    """
+    backend = chat.entry.pick_backend()  # 503 when none is available, before any charge
+    gen = Generation(services, principal, chat, backend, environ)
+    life = _life(gen)
+    try:
+        head = next(life)
+    except GatewayError as err:
+        err.headers[GENERATION_HEADER] = gen.gid
+        raise
+    except ClientGone:  # settled as cancelled; nobody is left to read an answer
+        return Response(status=CLIENT_CLOSED, headers={GENERATION_HEADER: gen.gid})
+    return Response(life, status=head.status, content_type=head.content_type,
+                    headers={GENERATION_HEADER: gen.gid, **head.headers})
+
+
+def _life(gen):
+    """Yield the response's head, then its body; settle exactly once, whatever ends it.
+
+    The paths return their last bytes (the JSON body; the usage chunk and ``[DONE]``; or the
+    error event of a failed stream) instead of sending them: they go out after the settlement,
+    and a completed generation's settlement has committed by then, so what a client is told it
+    paid is already in the ledger (docs/METERING.md).
+    """
+    ending, last = None, None
+    try:
+        last = yield from (_stream(gen) if gen.chat.stream else _complete(gen))
+    except BaseException as exc:  # noqa: BLE001 - the one place a generation ends
+        ending = exc
+        if isinstance(exc, GeneratorExit) or not gen.head_sent:
+            raise
+        if not isinstance(exc, ClientGone):  # nobody left to tell
+            last = _error_event(outcome_for(exc, stream_began=True), exc)
+    finally:
+        try:
+            gen.close()
+        finally:
+            gen.settle(outcome_for(ending, gen.head_sent))
+    if last:
+        yield last
+
+
+class Generation:
+    """One admitted request: what it asked, where it went, what it produced."""
+
+    def __init__(self, services, principal, chat, backend, environ):
+        self.services, self.principal, self.chat, self.backend = services, principal, chat, backend
+        config = services.config
+        self.timeouts = Timeouts(config.upstream_connect_timeout_s,
+                                 config.upstream_read_timeout_s, config.upstream_read_timeout_s)
+        self.client_addr = environ.get("kiln.client_addr")
+        self.meter = Meter(chat.completion_cap)
+        self.hold_nanos = hold_nanos(chat.entry.pricing, chat.prompt_bound, chat.completion_cap)
+        self.started = time.monotonic()
+        t0 = self.started
+        self.gid, self.started_at = services.ledger.admit(AdmissionRequest(
+            gid=_new_gid(), org_id=principal.org_id, key_id=principal.key_id,
+            model=chat.entry.id, stream=chat.stream, hold_nanos=self.hold_nanos,
+            in_flight_limit=principal.in_flight_limit, lease_ttl_s=config.lease_ttl_s,
+            key_checks=principal.key_checks, limit_usd=principal.limit_usd,
+            limit_reset=principal.limit_reset))
+        services.metrics.admission.observe(time.monotonic() - t0)
+        services.metrics.in_flight.inc()
+        self.lease = services.ledger.track(self.gid, self.progress)
+        self.watch = ClientWatch(environ.get("gunicorn.socket")) if chat.stream else None
+        self.call = self.pump = None
+        self.attempts = []
+        self.accepted = False   # the backend answered: what it produced is billed
+        self.head_sent = False  # the response's status line went out
+        self.read_whole = False  # the backend's reply was read to its end: keep the connection
+        self.first_token_s = self.first_token_at = None
+        self.usage = None       # the usage billed, once known
+
+    # -- backend -------------------------------------------------------------------------------
+
+    def payload(self):
+        """Return the body (bytes) this generation's backend is sent."""
+        return upstream.encode_body(upstream_body(self.chat, self.backend))
+
+    def send(self):
+        """Send the request to the backend from its own greenlet; return the call."""
+        self.attempts.append(self.backend.url)
+        self.call = UpstreamCall(self.services.session, self.backend, self.payload(),
+                                 self.timeouts)
+        if self.watch is not None:
+            self.watch.on_gone(self._client_gone)
+        return self.call
+
+    def _client_gone(self):
+        if self.pump is not None:
+            self.pump.stop(reason=ClientGone())  # the relay wakes and ends as cancelled
+        self.abort()  # the model server stops generating
+
+    def send_and_wait(self):
+        """Send the request from this greenlet and return the 2xx response (non-stream)."""
+        self.attempts.append(self.backend.url)
+        timeouts = (self.timeouts.connect_s, self.timeouts.first_byte_s)
+        sent = time.monotonic()
+        try:
+            return upstream.open_chat(self.services.session, self.backend, self.payload(),
+                                      timeouts)
+        finally:
+            self.observe_answer(sent)
+
+    def answer(self, call):
+        """Return the call's 2xx response (raise its error), counting the backend's latency."""
+        try:
+            return call.result()
+        finally:
+            self.observe_answer(call.sent_at)
+
+    def observe_answer(self, sent):
+        """Count the time from sending to the backend's answer (its status line, or failure)."""
+        self.services.metrics.upstream_latency.labels(self.chat.entry.id).observe(
+            time.monotonic() - sent)
+
+    def check_lease(self):
+        """Raise :class:`gateway.outcomes.LeaseLost` once the sweeper settled this generation."""
+        if self.lease.lost.is_set():
+            raise LeaseLost()
+
+    def mark_first_token(self):
+        if self.first_token_s is None:
+            self.first_token_s = time.monotonic() - self.started
+            self.first_token_at = utcnow()
+
+    def abort(self):
+        """Stop reading the backend, then close its request (the model stops generating)."""
+        if self.pump is not None:
+            self.pump.stop()  # first: closing a response inside another greenlet's read fails
+        if self.call is not None:
+            self.call.close(complete=self.read_whole)
+
+    def close(self):
+        """Stop watching the client, then :meth:`abort`; a reply read to its end keeps its
+        connection for the next request instead. Safe to call twice."""
+        if self.watch is not None:
+            self.watch.stop()
+        self.abort()
+
+    # -- metering ------------------------------------------------------------------------------
+
+    def count_tokens(self, text):
+        """The backend's tokenizer, or None when it has none or does not answer in time."""
+        return upstream.count_tokens(self.services.session, self.backend, text)
+
+    def final_usage(self):
+        """Return the usage to bill (computed once): nothing if the backend never accepted the
+        request, else its report with Kiln's own counts where it is missing or malformed."""
+        if self.usage is None:
+            self.usage = Usage() if not self.accepted else reconcile_usage(
+                self.meter.reported, self.meter, self._own_prompt,
+                lambda: estimate_completion(self.meter, self.count_tokens))
+        return self.usage
+
+    def _own_prompt(self, count=None):
+        chat = self.chat
+        return estimate_prompt({"messages": chat.messages, "tools": chat.params.get("tools")},
+                               chat.n_messages, chat.entry.context_window, chat.has_images,
+                               count or self.count_tokens)
+
+    def progress(self):
+        """Usage so far, for the lease renewer: no backend call (its tokenizer may be busy)."""
+        if self.usage is not None or not self.accepted:
+            return self.usage
+        return Usage(prompt=self._own_prompt(lambda _text: None),
+                     completion=self.meter.generated, estimated=True)
+
+    def cost_usd(self):
+        return cost_usd(self.final_usage(), self.chat.entry.pricing)
+
+    # -- settlement ----------------------------------------------------------------------------
+
+    def settle(self, outcome):
+        """Hand the outcome to the ledger (it commits it, retrying until it does), then count
+        and log it. Anything billed above the hold is an anomaly: counted and logged."""
+        usage = self.final_usage()
+        cost_nanos = to_nanos(self.cost_usd())
+        # The backend generated past the cap it was sent (Kiln cut it), or reported more than
+        # Kiln held for: either way it did not keep to the length it was given.
+        anomaly = (self.meter.cut or cost_nanos > self.hold_nanos
+                   or usage.completion > self.chat.completion_cap)
+        if anomaly:
+            self.services.metrics.anomalies.labels(self.chat.entry.id).inc()
+            log.warning(json.dumps({"event": "usage_anomaly", "generation_id": self.gid,
+                                    "backend": self.backend.url, "hold_nanos": self.hold_nanos,
+                                    "cost_nanos": cost_nanos,
+                                    "completion_tokens": usage.completion,
+                                    "completion_cap": self.chat.completion_cap}))
+        p = self.principal
+        wait_s = self.services.config.settle_wait_s if outcome.status is Status.COMPLETED else 0
+        self.services.ledger.settle(Settlement(
+            gid=self.gid, org_id=p.org_id, key_id=p.key_id, model=self.chat.entry.id,
+            stream=self.chat.stream, status=outcome.status.value, usage=usage,
+            cost_nanos=cost_nanos, http_status=outcome.http_status, error=outcome.message,
+            error_code=outcome.code, backend=self.backend.url, attempts=self.attempts,
+            anomaly=anomaly, started_at=self.started_at, first_token_at=self.first_token_at),
+            wait_s=wait_s)
+        self._observe(outcome, usage, cost_nanos)
+
+    def _observe(self, outcome, usage, cost_nanos):
+        m, model = self.services.metrics, self.chat.entry.id
+        m.in_flight.dec()
+        m.requests.labels(model, outcome.status.value).inc()
+        m.tokens.labels(model, "prompt").inc(usage.prompt)
+        m.tokens.labels(model, "completion").inc(usage.completion)
+        m.cost.labels(model).inc(float(from_nanos(cost_nanos)))
+        if self.first_token_s is not None:
+            m.ttft.labels(model).observe(self.first_token_s)
+        if self.services.config.log_requests:
+            log.info(json.dumps(self._log_record(outcome, usage, cost_nanos)))
+
+    def _log_record(self, outcome, usage, cost_nanos):
+        # No error text: a backend's message can quote the prompt (a 422 ``detail`` echoes the
+        # input). The usage event keeps the text; the log says only that there was one.
+        return {"event": "generation", "generation_id": self.gid,
+                "org_id": self.principal.org_id, "key_prefix": self.principal.key_prefix,
+                "client_addr": self.client_addr, "model": self.chat.entry.id,
+                "backend": self.backend.url, "stream": self.chat.stream,
+                "status": outcome.status.value, "http_status": outcome.http_status,
+                "prompt_tokens": usage.prompt, "cached_tokens": usage.cached,
+                "completion_tokens": usage.completion, "estimated": usage.estimated,
+                "cost_usd": str(from_nanos(cost_nanos)), "ttft_ms": _ms(self.first_token_s),
+                "duration_ms": _ms(time.monotonic() - self.started),
+                "has_error": outcome.message is not None}
+
+
+def _new_gid():
+    return "gen-" + secrets.token_hex(12)
+
+
+def _ms(seconds):
+    return None if seconds is None else round(seconds * 1000, 1)
+
+
+# -- JSON ------------------------------------------------------------------------------------
+
+def _complete(gen):
+    """Read the backend's whole reply (also when the client left: the backend generates it
+    anyway, and it is billed), then write it with Kiln's usage and cost."""
+    resp = gen.send_and_wait()
+    try:
+        raw = upstream.read_whole(resp, gen.services.config.max_reply_bytes)
+    except BaseException:
+        upstream.shutdown(resp)
+        raise
+    upstream.close(resp)
+    completion = _parse_completion(raw)
+    gen.accepted = True  # a whole answer: billed, also if its client has left meanwhile
+    gen.meter.observe_completion(completion)
+    gen.mark_first_token()
+    usage, cost = gen.final_usage(), gen.cost_usd()
+    apply_to_completion(completion, gen.chat.stop, gen.chat.single_tool_call)
+    if not is_well_formed(completion.get("usage"), usage):
+        completion["usage"] = _usage_object(usage)
+    body = dumps(completion, cost)
+    gen.head_sent = True
+    yield Head(200, "application/json", {})
+    return body
+
+
+def _parse_completion(raw):
+    try:
+        obj = json.loads(raw)
+    except ValueError as err:
+        raise UpstreamError("The model backend sent a reply that is not JSON.") from err
+    if not isinstance(obj, dict) or not isinstance(obj.get("choices"), list):
+        raise UpstreamError("The model backend sent a reply that is not a chat completion.")
+    return obj
+
+
+def _usage_object(usage):
+    out = usage.to_openai()
+    if usage.estimated:
+        out["estimated"] = True
+    return out
+
+
+# -- stream ----------------------------------------------------------------------------------
+
+def _stream(gen):
+    """Wait for the backend's status line up to one keepalive interval, then start the stream.
+
+    An error known before the headers leave is a JSON error (or the reference's plain-text 502)
+    with its own status; after that, a failure can only be told as an SSE error event.
+    """
+    config = gen.services.config
+    call = gen.send()
+    answered = call.wait(config.keepalive_s, gen.watch.gone)
+    if answered:
+        resp = _event_stream(gen.answer(call))
+    gen.head_sent = True
+    yield Head(200, EVENT_STREAM, STREAM_HEADERS)
+    yield b""  # the headers leave now (the server writes them with the first body item)
+    if not answered:
+        yield from keepalives_until_answered(call, gen.watch.gone, config.keepalive_s)
+        resp = _event_stream(gen.answer(call))
+    gen.accepted = True
+    rules = StreamRules(gen.meter, gen.chat.stop, gen.chat.single_tool_call)
+    gen.pump = Pump(resp, gen.timeouts.idle_s)
+    unfinished = yield from relay_stream(
+        gen.pump, lambda payloads: _apply(gen, rules, payloads), gen.check_lease,
+        config.keepalive_s, gen.timeouts.idle_s, config.max_event_bytes)
+    _check_complete(rules, unfinished)
+    return _end_of_stream(gen, rules)
+
+
+def _event_stream(resp):
+    """Return ``resp`` if it is an event stream; a backend that answered a stream request with
+    anything else (a JSON error with status 200) failed: 502, nothing billed."""
+    kind = resp.headers.get("Content-Type", "").split(";")[0].strip().lower()
+    if kind != EVENT_STREAM:
+        upstream.shutdown(resp)
+        raise UpstreamError(f"The model backend answered a stream request with "
+                            f"{kind or 'no content type'}, not an event stream.")
+    return resp
+
+
+def _apply(gen, rules, payloads):
+    """Apply the stream rules to ``payloads``; return ``(bytes to send, stop relaying)``."""
+    out = []
+    for payload in payloads:
+        framed = rules.apply(payload)
+        if framed is not None:
+            out.append(framed)
+        if rules.cut or rules.error is not None:
+            break
+    if out and gen.meter.deltas:
+        gen.mark_first_token()
+    return b"".join(out), rules.cut or rules.error is not None
+
+
+def _check_complete(rules, unfinished):
+    if rules.error is not None:
+        message = rules.error.get("message") if isinstance(rules.error, dict) else None
+        raise StreamFailed(f"The model backend failed mid-stream: {message}" if message
+                           else "The model backend failed mid-stream.")
+    if rules.cut or rules.done or rules.finished or unfinished == b"data: " + DONE:
+        return
+    raise StreamFailed("The model backend ended the stream before it was complete.")
+
+
+def _end_of_stream(gen, rules):
+    """Return the last bytes of a complete stream: the end of choices Kiln cut at the budget,
+    the usage chunk if the client asked, and ``[DONE]``."""
+    gen.read_whole = gen.pump.complete and not rules.cut
+    gen.close()  # a cut generation: the backend stops now
+    tail = rules.length_frame() if rules.cut else b""
+    if gen.chat.include_usage:
+        usage = gen.final_usage()
+        as_sent = is_well_formed(gen.meter.reported, usage)
+        tail += rules.usage_frame(_usage_object(usage), gen.cost_usd(), as_sent)
+    return tail + frame(DONE)
+
+
+def _error_event(outcome, exc):
+    """Return the one SSE event that ends a failed stream: the error envelope, no ``[DONE]``."""
+    if outcome.status is Status.ERROR:
+        log.error("stream relay failed", exc_info=exc)
+        message = "The gateway failed while relaying the stream."
+    else:
+        message = outcome.message or "The model backend failed mid-stream."
+    kind = "server_error" if outcome.status is Status.ERROR else "upstream_error"
+    envelope = {"error": {"message": message, "type": kind, "param": None,
+                          "code": outcome.code}}
+    return frame(json.dumps(envelope).encode())

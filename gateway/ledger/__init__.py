@@ -1,0 +1,386 @@
+"""The ledger: every statement that moves money or in-flight leases.
+
+Admission (hold + lease + pending usage event), renewal of live leases, settlement (exactly
+once per generation), the sweeper, credit grants and reconciliation's reads all live here; the
+dialects' statements are in :mod:`.postgres` and :mod:`.sqlite`. The request flow
+(:mod:`gateway.completions`) calls it; nothing else writes money.
+
+Invariants, per org (``kiln credits reconcile`` checks them):
+
+1. ``balance_nanos = Σ credit_grants − Σ usage_events.cost_nanos``: a grant's trigger and a
+   settlement move the balance in the transaction that writes their row.
+2. ``held_nanos = Σ in_flight.hold_nanos`` and ``in_flight = count(in_flight)``: admission and
+   settlement move them with the lease row; ``0 ≤ held_nanos ≤ balance_nanos`` (CHECKs), so a
+   balance never goes below zero.
+3. A usage event leaves ``pending`` once, under its row lock, and its lease goes with it; the
+   sweeper settles only leases still expired once the event is locked.
+4. ``api_keys.held_nanos = Σ in_flight.key_hold_nanos`` of the key's leases, and
+   ``usage_daily`` sums the settled events (written by the same settlement).
+
+Row locks are always taken in this order: usage events (by id), leases, balances (by org id),
+keys, daily rows. Admission locks a balance, then a key; renewal locks events (skipping those
+being settled), then leases; settlement locks events, then balances in org order.
+
+Durability: settlement commits durably, in batches (one transaction for the settlements queued
+at that moment, so no settlement waits for another's flush); admission and renewal do not wait
+for their WAL flush. An admission lost in a database crash is written again by its settlement.
+"""
+import json
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+
+import gevent
+import sqlalchemy as sa
+from gevent.event import Event
+from gevent.queue import Empty, Queue
+
+from ..billing import Usage, cost_usd, format_usd, to_nanos
+from ..db import is_postgres
+from ..errors import InsufficientCredits, RateLimited, ServiceUnavailable
+from .postgres import PostgresStore
+from .sqlite import SqliteStore
+
+log = logging.getLogger(__name__)
+
+ADMIT_ATTEMPTS = 3
+MAX_BATCH = 256                # settlements committed in one transaction, at most
+RETRY_BACKOFF_S = (0.05, 2.0)  # first and longest wait between attempts of a failed write
+ABANDONED_ERROR = "lease expired: the worker serving this request was lost"
+
+
+class KeyLimitExceeded(InsufficientCredits):
+    code = "key_limit_exceeded"
+
+
+@dataclass(frozen=True)
+class AdmissionRequest:
+    """What admission needs: who, what, and the hold (nano-dollars)."""
+
+    gid: str
+    org_id: int
+    key_id: int
+    model: str
+    stream: bool
+    hold_nanos: int
+    in_flight_limit: int
+    lease_ttl_s: float
+    key_checks: bool  # the key has a spend limit or a request rate: count it too
+    limit_usd: object = None   # the key's spend limit (Decimal USD), for messages
+    limit_reset: str = None    # "daily", "weekly", "monthly" or None
+
+
+@dataclass
+class Settlement:
+    """How a generation ended: what settlement writes (and enough to write the usage event
+    itself when its admission was lost)."""
+
+    gid: str
+    org_id: int
+    key_id: int
+    model: str
+    stream: bool
+    status: str
+    usage: Usage
+    cost_nanos: int
+    http_status: int = None
+    error: str = None
+    error_code: str = None
+    backend: str = None
+    attempts: list = None
+    anomaly: bool = False
+    started_at: datetime = None
+    first_token_at: datetime = None
+    expired_before: datetime = None  # the sweeper: settle only if the lease expired before
+    committed: Event = field(default_factory=Event, repr=False, compare=False)
+
+    def __post_init__(self):
+        self.error = storable(self.error)
+
+    def as_record(self):
+        """Return the JSON record of ``kiln_settle`` (the ``kiln_settlement`` type)."""
+        u = self.usage
+        return {"gid": self.gid, "org": self.org_id, "key": self.key_id, "model": self.model,
+                "stream": self.stream, "status": self.status, "prompt": u.prompt,
+                "cached": u.cached, "completion": u.completion, "cost": self.cost_nanos,
+                "http_status": self.http_status, "error": self.error,
+                "error_code": self.error_code, "backend": self.backend,
+                "attempts": json.dumps(self.attempts) if self.attempts else None,
+                "anomaly": self.anomaly, "estimated": u.estimated,
+                "started_at": _iso(self.started_at), "first_token_at": _iso(self.first_token_at),
+                "expired_before": _iso(self.expired_before)}
+
+
+MAX_ERROR_CHARS = 2000
+
+
+def storable(text):
+    """Return ``text`` as Postgres can store it: no NUL, no lone surrogate (a backend's error
+    message may carry either), at most :data:`MAX_ERROR_CHARS` characters."""
+    if text is None:
+        return None
+    text = text[:MAX_ERROR_CHARS].replace("\x00", "\ufffd")
+    return text.encode("utf-8", "replace").decode("utf-8")
+
+
+def _iso(ts):
+    return ts.isoformat() if ts is not None else None
+
+
+@dataclass
+class Lease:
+    """A live generation's in-flight lease, renewed by its worker's renewer.
+
+    :param progress: ``() -> Usage | None``, the usage so far (kept on the pending event, so
+        that the sweeper bills it if this worker dies).
+    """
+
+    gid: str
+    progress: object
+    lost: Event = field(default_factory=Event)  # the sweeper settled it: stop relaying
+
+
+class Ledger:
+    """Admission, renewal, settlement and sweeping for one worker process.
+
+    Settlements are queued and committed by one writer greenlet, retried on any database error
+    until they commit; their leases stay renewed meanwhile. :meth:`drain` flushes the queue
+    (graceful shutdown).
+    """
+
+    def __init__(self, engine, config, catalog, metrics=None):
+        self.store = PostgresStore(engine) if is_postgres(engine) else SqliteStore(engine)
+        self.config = config
+        self.catalog = catalog
+        self.metrics = metrics
+        self._queue = Queue()
+        self._live = {}       # gid -> Lease: renewed until its settlement commits
+        self._idle = Event()  # nothing queued nor being written
+        self._idle.set()
+        self._greenlets = []
+
+    # -- admission ---------------------------------------------------------------------------
+
+    def admit(self, request):
+        """Admit one request; return ``(gid, started_at)``.
+
+        A rejection that saw expired leases of the org (a dead worker's) reclaims them and tries
+        again, so their slots and holds come back without waiting for a sweep.
+
+        :param request: :class:`AdmissionRequest`.
+        :raises RateLimited: 429, the org is at its in-flight limit, or the key at its rate.
+        :raises InsufficientCredits: 402, the org's available credits do not cover the hold.
+        :raises KeyLimitExceeded: 402, the key's spend limit does not cover the hold.
+        :raises ServiceUnavailable: 503, the database is unreachable or too busy.
+        """
+        self._start()
+        reclaimed = False
+        for _ in range(ADMIT_ATTEMPTS):
+            row = self._admit_once(request)
+            if row is None:  # no balance row: the org cannot pay
+                raise insufficient_credits(0, request.hold_nanos)
+            gid, started_at, reason, available, count, expired, remaining, period = row
+            if gid is not None:
+                return gid, started_at
+            if reason == "in_flight" and expired and not reclaimed:
+                reclaimed = True
+                self.sweep(org_id=request.org_id)
+                continue
+            if reason != "retry":
+                raise _rejection(reason, request, available, remaining, period)
+        raise RateLimited("Too many concurrent admissions for this organization. Retry with "
+                          "backoff.")
+
+    def _admit_once(self, request):
+        try:
+            return self.store.admit_once(request)
+        except sa.exc.TimeoutError as err:
+            raise _database_busy() from err
+        except (sa.exc.DBAPIError, OSError) as err:
+            log.error("admission failed: database unavailable: %s", err)
+            raise ServiceUnavailable("Kiln cannot reach its database; retry with backoff.",
+                                     code="database_unavailable",
+                                     headers={"Retry-After": "5"}) from err
+
+    # -- live leases and settlement ----------------------------------------------------------
+
+    def track(self, gid, progress):
+        """Start renewing the lease of ``gid`` until its settlement commits; return the
+        :class:`Lease` (its ``lost`` event is set if the sweeper settles it first)."""
+        lease = Lease(gid, progress)
+        self._live[gid] = lease
+        return lease
+
+    def settle(self, settlement, wait_s=0):
+        """Queue ``settlement`` for the writer, which commits it with the others queued at that
+        moment (one transaction), retrying until it commits; wait up to ``wait_s`` for that.
+        Never raises.
+
+        :returns: whether it committed within ``wait_s``.
+        """
+        self._start()
+        self._idle.clear()
+        self._queue.put(settlement)
+        return settlement.committed.wait(wait_s) if wait_s else False
+
+    def drain(self, timeout_s):
+        """Wait up to ``timeout_s`` for every queued settlement to commit; return whether all
+        did (graceful shutdown)."""
+        return self._idle.wait(timeout_s)
+
+    def _start(self):
+        if not self._greenlets:
+            self._greenlets = [gevent.spawn(self._write_forever),
+                               gevent.spawn(self._renew_forever)]
+
+    def _write_forever(self):
+        while True:
+            batch = [self._queue.get()]
+            while len(batch) < MAX_BATCH:
+                try:
+                    batch.append(self._queue.get_nowait())
+                except Empty:
+                    break
+            self._write(batch)
+            if self._queue.empty():
+                self._idle.set()
+
+    def _write(self, batch):
+        """Commit ``batch``, retrying with backoff on any database error until it commits."""
+        wait_s = RETRY_BACKOFF_S[0]
+        while True:
+            t0 = time.monotonic()
+            try:
+                self.store.settle_batch(batch)
+                break
+            except Exception:  # noqa: BLE001 - the settlement guard: retried until it commits
+                log.warning("settlement of %d generation(s) failed; retrying in %.2f s",
+                            len(batch), wait_s, exc_info=True)
+                gevent.sleep(wait_s * random.uniform(0.5, 1.0))
+                wait_s = min(wait_s * 2, RETRY_BACKOFF_S[1])
+        if self.metrics is not None:
+            self.metrics.settlement.observe(time.monotonic() - t0)
+            self.metrics.settlement_batch.observe(len(batch))
+        for settlement in batch:
+            self._live.pop(settlement.gid, None)
+            settlement.committed.set()
+
+    def _renew_forever(self):
+        every_s = self.config.lease_ttl_s / 3
+        while True:
+            gevent.sleep(every_s)
+            if self._live:
+                self.renew_now()
+
+    def renew_now(self):
+        """Renew every live lease of this worker in one statement, recording progress; set
+        ``lost`` on those the sweeper settled. A failure is logged and retried next time."""
+        leases = list(self._live.values())
+        try:
+            states = self.store.renew([(lease.gid, lease.progress()) for lease in leases],
+                                      self.config.lease_ttl_s)
+        except Exception:  # noqa: BLE001 - renewal is retried at the next interval
+            log.warning("lease renewal of %d generation(s) failed", len(leases), exc_info=True)
+            return
+        for lease in leases:
+            if states.get(lease.gid) == "settled":
+                lease.lost.set()
+
+    # -- sweeper -----------------------------------------------------------------------------
+
+    def sweep(self, org_id=None, batch=200):
+        """Settle the generations whose lease expired (their worker died) as ``abandoned``,
+        billing their recorded progress; return how many were settled.
+
+        :param org_id: only this org's (admission's reclaim), or every org.
+        """
+        rows = self.store.expired(org_id, batch)
+        settlements = [self._abandoned(row) for row in rows]
+        if not settlements:
+            return 0
+        closed = len(self.store.settle_batch(settlements))
+        if closed:
+            log.warning("sweeper closed %d abandoned generation(s)", closed)
+        return closed
+
+    def _abandoned(self, row):
+        usage = Usage(prompt=row["prompt_tokens"], cached=row["cached_tokens"],
+                      completion=row["completion_tokens"], estimated=True)
+        entry = self.catalog.get(row["model"])
+        cost = to_nanos(cost_usd(usage, entry.pricing)) if entry else 0
+        return Settlement(gid=row["gid"], org_id=row["org"], key_id=row["key"],
+                          model=row["model"], stream=row["stream"], status="abandoned",
+                          usage=usage, cost_nanos=cost, error=ABANDONED_ERROR,
+                          error_code="lease_expired", started_at=row["started_at"],
+                          expired_before=row["cutoff"])
+
+
+class NullLedger:
+    """No lease, no hold, no usage event, no debit: the benchmarks' unmetered baseline
+    (``KILN_METERING=false``), chosen once in ``create_app``."""
+
+    def admit(self, request):
+        return request.gid, None
+
+    def track(self, gid, progress):
+        return Lease(gid, progress)
+
+    def settle(self, settlement, wait_s=0):
+        return True
+
+    def drain(self, timeout_s):
+        return True
+
+    def sweep(self, org_id=None, batch=200):
+        return 0
+
+
+def _rejection(reason, request, available, remaining, period):
+    if reason == "in_flight":
+        return RateLimited(f"Too many requests in flight: this organization's limit is "
+                           f"{request.in_flight_limit} at once. Retry with backoff.")
+    if reason == "rate":
+        return RateLimited("This API key is at its limit of requests per minute. Retry with "
+                           "backoff.")
+    if reason == "key_limit":
+        return KeyLimitExceeded(
+            f"This API key's spend limit of {request.limit_usd} USD"
+            f"{_resets(request.limit_reset, period)} does not cover this request: "
+            f"{format_usd(max(remaining, 0))} USD left, but the request needs a hold of "
+            f"{format_usd(request.hold_nanos)} USD. Lower max_tokens, or raise the key's limit.")
+    return insufficient_credits(available, request.hold_nanos)
+
+
+def _resets(reset, period):
+    if reset is None or period is None:
+        return " (it does not reset)"
+    return f" per {PERIOD_NAMES[reset]} (it resets at {next_period(reset, period).isoformat()})"
+
+
+PERIOD_NAMES = {"daily": "UTC day", "weekly": "UTC week", "monthly": "UTC month"}
+
+
+def next_period(reset, start):
+    """Return the start of the period after the one starting at ``start`` (UTC)."""
+    if reset == "daily":
+        return start + timedelta(days=1)
+    if reset == "weekly":
+        return start + timedelta(days=7)
+    year, month = (start.year + 1, 1) if start.month == 12 else (start.year, start.month + 1)
+    return start.replace(year=year, month=month, day=1)
+
+
+def insufficient_credits(available_nanos, hold_nanos):
+    """Return the 402 error: the available amount, the hold, and what to do."""
+    return InsufficientCredits(
+        f"Insufficient credits: {format_usd(max(available_nanos, 0))} USD available (balance "
+        f"minus the holds of requests in flight), but this request needs a hold of "
+        f"{format_usd(hold_nanos)} USD, its worst-case cost at max_tokens. Lower max_tokens, "
+        f"or add credits.")
+
+
+def _database_busy():
+    return ServiceUnavailable("Kiln's database connections are all busy; retry with backoff.",
+                              code="database_busy", headers={"Retry-After": "1"})

@@ -1,0 +1,305 @@
+"""The ledger on Postgres: four functions, each one round trip, called on raw psycopg connections.
+
+The functions are installed by the migrations (``FUNCTIONS``, ``CREATE OR REPLACE``): PL/pgSQL
+caches each statement's plan per server connection, so the statements are prepared once per
+connection, also through pgbouncer in transaction mode, where protocol-level prepared statements
+need pgbouncer 1.21 or later (Kiln turns psycopg's off; ``gateway.db``). Row locks are taken in
+the order the package docstring gives.
+"""
+import json
+
+import psycopg
+import sqlalchemy as sa
+
+from ..errors import ServiceUnavailable
+
+SETTLEMENT_TYPE = """CREATE TYPE kiln_settlement AS (
+  gid text, org integer, key integer, model text, stream boolean, status text,
+  prompt integer, cached integer, completion integer, cost bigint, hold bigint,
+  http_status integer, error text, error_code text, backend text, attempts text,
+  anomaly boolean, estimated boolean, started_at timestamptz, first_token_at timestamptz,
+  expired_before timestamptz)"""
+
+PERIOD_START = """CREATE OR REPLACE FUNCTION kiln_period_start(p_reset text, p_at timestamptz)
+RETURNS timestamptz LANGUAGE sql IMMUTABLE AS $$
+  -- The start of the UTC day, ISO week or month holding p_at; NULL for a limit that never resets.
+  SELECT (CASE p_reset WHEN 'daily' THEN date_trunc('day', p_at AT TIME ZONE 'UTC')
+                       WHEN 'weekly' THEN date_trunc('week', p_at AT TIME ZONE 'UTC')
+                       WHEN 'monthly' THEN date_trunc('month', p_at AT TIME ZONE 'UTC')
+          END) AT TIME ZONE 'UTC'
+$$"""
+
+ADMIT = """CREATE OR REPLACE FUNCTION kiln_admit(
+  p_gid text, p_org integer, p_key integer, p_model text, p_stream boolean, p_hold bigint,
+  p_limit integer, p_ttl_s double precision, p_key_checks boolean)
+RETURNS TABLE (gid text, started_at timestamptz, reason text, available bigint,
+               in_flight integer, expired boolean, key_remaining bigint,
+               period_start timestamptz)
+LANGUAGE plpgsql AS $$
+DECLARE
+  v_now timestamptz := clock_timestamp();
+  v_key api_keys%ROWTYPE;
+  v_period timestamptz;
+  v_spent bigint;
+  v_limit bigint;
+  v_rate integer;
+  v_minute timestamptz := date_trunc('minute', v_now);
+BEGIN
+  -- Not durable at once: an admission lost in a crash is written by its settlement.
+  PERFORM set_config('synchronous_commit', 'off', true);
+  -- The org's row decides, under its lock: concurrent admissions of one org wait here and
+  -- re-check the condition on the newest row, so the limit and credits are exact.
+  UPDATE credit_balances b SET in_flight = b.in_flight + 1, held_nanos = b.held_nanos + p_hold
+   WHERE b.org_id = p_org AND b.in_flight < p_limit AND b.balance_nanos - b.held_nanos >= p_hold;
+  IF NOT FOUND THEN
+    RETURN QUERY
+      SELECT NULL::text, NULL::timestamptz,
+             CASE WHEN b.in_flight >= p_limit THEN 'in_flight'
+                  WHEN b.balance_nanos - b.held_nanos < p_hold THEN 'credits' ELSE 'retry' END,
+             b.balance_nanos - b.held_nanos, b.in_flight,
+             EXISTS (SELECT 1 FROM in_flight f WHERE f.org_id = p_org AND f.expires_at < v_now),
+             NULL::bigint, NULL::timestamptz
+        FROM credit_balances b WHERE b.org_id = p_org;
+    RETURN;
+  END IF;
+  IF p_key_checks THEN
+    SELECT * INTO v_key FROM api_keys k WHERE k.id = p_key FOR UPDATE;
+    v_period := kiln_period_start(v_key.limit_reset, v_now);
+    v_spent := CASE WHEN v_key.period_start IS DISTINCT FROM v_period THEN 0
+                    ELSE v_key.period_spent_nanos END;
+    v_limit := CAST(ROUND(v_key.limit_usd * 1000000000) AS bigint);
+    v_rate := CASE WHEN v_key.rate_window = v_minute THEN v_key.rate_count ELSE 0 END;
+    IF (v_key.rpm_limit IS NOT NULL AND v_rate >= v_key.rpm_limit)
+       OR (v_limit IS NOT NULL AND v_spent + v_key.held_nanos + p_hold > v_limit) THEN
+      -- Give the org's slot and hold back: this statement holds its row lock, nobody saw them.
+      UPDATE credit_balances b SET in_flight = b.in_flight - 1,
+                                   held_nanos = b.held_nanos - p_hold WHERE b.org_id = p_org;
+      RETURN QUERY SELECT NULL::text, NULL::timestamptz,
+        CASE WHEN v_key.rpm_limit IS NOT NULL AND v_rate >= v_key.rpm_limit THEN 'rate'
+             ELSE 'key_limit' END,
+        NULL::bigint, NULL::integer, false, v_limit - v_spent - v_key.held_nanos, v_period;
+      RETURN;
+    END IF;
+    UPDATE api_keys k SET period_start = v_period, period_spent_nanos = v_spent,
+                          held_nanos = k.held_nanos + p_hold, rate_window = v_minute,
+                          rate_count = v_rate + 1
+     WHERE k.id = p_key;
+  END IF;
+  INSERT INTO usage_events (id, org_id, api_key_id, model, stream, status, hold_nanos,
+                            started_at)
+  VALUES (p_gid, p_org, p_key, p_model, p_stream, 'pending', p_hold, v_now);
+  INSERT INTO in_flight (generation_id, org_id, hold_nanos, key_hold_nanos, expires_at)
+  VALUES (p_gid, p_org, p_hold, CASE WHEN p_key_checks THEN p_hold ELSE 0 END,
+          v_now + p_ttl_s * interval '1 second');
+  RETURN QUERY SELECT p_gid, v_now, NULL::text, NULL::bigint, NULL::integer, false,
+                      NULL::bigint, NULL::timestamptz;
+END $$"""
+
+SETTLE = """CREATE OR REPLACE FUNCTION kiln_settle(p_batch jsonb)
+RETURNS TABLE (gid text, debited bigint)
+LANGUAGE plpgsql AS $$
+DECLARE
+  v_now timestamptz := clock_timestamp();
+  v_ids text[];
+  v_lost text[];
+BEGIN
+  -- 1. The batch's pending events, locked in id order. The sweeper's entries count only if
+  --    their lease is still expired once the event is locked (renewal locks the event first).
+  SELECT array_agg(e.id) INTO v_ids FROM (
+    SELECT e.id FROM usage_events e
+     WHERE e.id IN (SELECT s.gid FROM jsonb_populate_recordset(NULL::kiln_settlement,
+                                                                p_batch) s)
+       AND e.status = 'pending'
+     ORDER BY e.id FOR UPDATE) e;
+  SELECT array_agg(s.gid) INTO v_ids
+    FROM jsonb_populate_recordset(NULL::kiln_settlement, p_batch) s
+   WHERE s.gid = ANY(v_ids)
+     AND (s.expired_before IS NULL OR EXISTS (
+          SELECT 1 FROM in_flight f WHERE f.generation_id = s.gid
+                                      AND f.expires_at < s.expired_before));
+  -- Admissions lost in a database crash (no event at all): written here, with no hold.
+  SELECT array_agg(s.gid) INTO v_lost
+    FROM jsonb_populate_recordset(NULL::kiln_settlement, p_batch) s
+   WHERE s.expired_before IS NULL
+     AND NOT EXISTS (SELECT 1 FROM usage_events e WHERE e.id = s.gid);
+  INSERT INTO usage_events (id, org_id, api_key_id, model, stream, status, hold_nanos,
+                            started_at)
+  SELECT s.gid, s.org, s.key, s.model, s.stream, 'pending', 0, s.started_at
+    FROM jsonb_populate_recordset(NULL::kiln_settlement, p_batch) s
+   WHERE s.gid = ANY(v_lost)
+  ON CONFLICT (id) DO NOTHING;
+  v_ids := COALESCE(v_ids, '{}') || COALESCE(v_lost, '{}');
+  -- 2. The orgs' balance rows, locked in org order (keys and daily rows belong to an org).
+  PERFORM 1 FROM credit_balances b
+   WHERE b.org_id IN (SELECT e.org_id FROM usage_events e WHERE e.id = ANY(v_ids))
+   ORDER BY b.org_id FOR UPDATE;
+  -- 3. Everything else, in one statement on the locked rows. A generation may take its hold
+  --    plus what its org has free (not held by others), shared in id order: a backend that
+  --    reported more than the hold is billed in full while the balance allows it.
+  RETURN QUERY
+  WITH s AS (SELECT * FROM jsonb_populate_recordset(NULL::kiln_settlement, p_batch) x
+              WHERE x.gid = ANY(v_ids)),
+  lease AS (DELETE FROM in_flight f USING s WHERE f.generation_id = s.gid
+            RETURNING f.generation_id, f.key_hold_nanos),
+  j AS (SELECT s.*, e.org_id, e.api_key_id, e.hold_nanos, e.started_at AS began,
+               COALESCE(l.key_hold_nanos, 0) AS key_hold, (l.generation_id IS NOT NULL) AS leased,
+               GREATEST(s.cost - e.hold_nanos, 0) AS excess
+          FROM s JOIN usage_events e ON e.id = s.gid
+          LEFT JOIN lease l ON l.generation_id = s.gid),
+  d AS (SELECT j.*, CAST(LEAST(j.cost, j.hold_nanos + GREATEST(0, b.balance_nanos
+                   - b.held_nanos - (SUM(j.excess) OVER w - j.excess))) AS bigint) AS debit
+          FROM j JOIN credit_balances b ON b.org_id = j.org_id
+        WINDOW w AS (PARTITION BY j.org_id ORDER BY j.gid)),
+  ev AS (UPDATE usage_events e
+            SET status = d.status, prompt_tokens = d.prompt, cached_tokens = d.cached,
+                completion_tokens = d.completion, cost_nanos = d.debit,
+                estimated = d.estimated, http_status = d.http_status, error = d.error,
+                error_code = d.error_code, backend = COALESCE(d.backend, e.backend),
+                attempts = COALESCE(d.attempts, e.attempts),
+                anomaly = COALESCE(d.anomaly, false) OR d.debit < d.cost,
+                first_token_at = COALESCE(d.first_token_at, e.first_token_at),
+                ended_at = v_now
+           FROM d WHERE e.id = d.gid RETURNING e.id),
+  bal AS (UPDATE credit_balances b
+             SET balance_nanos = b.balance_nanos - t.debit, held_nanos = b.held_nanos - t.hold,
+                 in_flight = b.in_flight - t.leases
+            FROM (SELECT d.org_id, SUM(d.debit) AS debit,
+                         SUM(CASE WHEN d.leased THEN d.hold_nanos ELSE 0 END) AS hold,
+                         COUNT(*) FILTER (WHERE d.leased) AS leases
+                    FROM d GROUP BY d.org_id) t
+           WHERE b.org_id = t.org_id RETURNING b.org_id),
+  keys AS (UPDATE api_keys k
+              SET period_spent_nanos = CASE
+                    WHEN k.period_start IS DISTINCT FROM kiln_period_start(k.limit_reset, v_now)
+                    THEN t.debit ELSE k.period_spent_nanos + t.debit END,
+                  period_start = kiln_period_start(k.limit_reset, v_now),
+                  held_nanos = k.held_nanos - t.key_hold,
+                  last_used_at = CASE WHEN k.last_used_at IS NULL
+                                        OR k.last_used_at < v_now - interval '1 minute'
+                                      THEN v_now ELSE k.last_used_at END
+             FROM (SELECT d.api_key_id, SUM(d.debit) AS debit, SUM(d.key_hold) AS key_hold
+                     FROM d GROUP BY d.api_key_id) t
+            WHERE k.id = t.api_key_id RETURNING k.id),
+  daily AS (INSERT INTO usage_daily AS u (org_id, day, model, api_key_id, requests, errors,
+                                          prompt_tokens, cached_tokens, completion_tokens,
+                                          cost_nanos)
+            SELECT d.org_id, CAST(d.began AT TIME ZONE 'UTC' AS date), d.model, d.api_key_id,
+                   COUNT(*), COUNT(*) FILTER (WHERE d.status <> 'completed'), SUM(d.prompt),
+                   SUM(d.cached), SUM(d.completion), SUM(d.debit)
+              FROM d GROUP BY 1, 2, 3, 4
+            ON CONFLICT (org_id, day, model, api_key_id) DO UPDATE
+               SET requests = u.requests + EXCLUDED.requests,
+                   errors = u.errors + EXCLUDED.errors,
+                   prompt_tokens = u.prompt_tokens + EXCLUDED.prompt_tokens,
+                   cached_tokens = u.cached_tokens + EXCLUDED.cached_tokens,
+                   completion_tokens = u.completion_tokens + EXCLUDED.completion_tokens,
+                   cost_nanos = u.cost_nanos + EXCLUDED.cost_nanos
+            RETURNING 1)
+  SELECT d.gid, d.debit FROM d;
+END $$"""
+
+RENEW = """CREATE OR REPLACE FUNCTION kiln_renew(
+  p_ids text[], p_prompt integer[], p_cached integer[], p_completion integer[],
+  p_ttl_s double precision)
+RETURNS TABLE (gid text, state text)
+LANGUAGE plpgsql AS $$
+DECLARE
+  v_now timestamptz := clock_timestamp();
+  v_locked text[];
+BEGIN
+  PERFORM set_config('synchronous_commit', 'off', true);
+  -- Events being settled right now are skipped, not waited for: their lease goes with them.
+  SELECT array_agg(e.id) INTO v_locked FROM (
+    SELECT e.id FROM usage_events e WHERE e.id = ANY(p_ids) AND e.status = 'pending'
+     ORDER BY e.id FOR UPDATE SKIP LOCKED) e;
+  UPDATE usage_events e SET prompt_tokens = p.prompt, cached_tokens = p.cached,
+                            completion_tokens = p.completion, estimated = true
+    FROM unnest(p_ids, p_prompt, p_cached, p_completion) AS p(id, prompt, cached, completion)
+   WHERE e.id = p.id AND e.id = ANY(v_locked) AND p.prompt >= 0;
+  UPDATE in_flight f SET expires_at = v_now + p_ttl_s * interval '1 second'
+   WHERE f.generation_id = ANY(v_locked);
+  RETURN QUERY
+    SELECT i.id, CASE WHEN i.id = ANY(COALESCE(v_locked, '{}')) THEN 'leased'
+                      WHEN e.id IS NULL THEN 'missing'
+                      WHEN e.status = 'pending' THEN 'busy' ELSE 'settled' END
+      FROM unnest(p_ids) AS i(id) LEFT JOIN usage_events e ON e.id = i.id;
+END $$"""
+
+FUNCTIONS = (PERIOD_START, ADMIT, SETTLE, RENEW)
+DROP = ("DROP FUNCTION IF EXISTS kiln_renew(text[], integer[], integer[], integer[], "
+        "double precision)",
+        "DROP FUNCTION IF EXISTS kiln_settle(jsonb)",
+        "DROP FUNCTION IF EXISTS kiln_admit(text, integer, integer, text, boolean, bigint, "
+        "integer, double precision, boolean)",
+        "DROP FUNCTION IF EXISTS kiln_period_start(text, timestamptz)",
+        "DROP TYPE IF EXISTS kiln_settlement")
+
+_ADMIT_CALL = ("SELECT * FROM kiln_admit(%s::text, %s::integer, %s::integer, %s::text, "
+               "%s::boolean, %s::bigint, %s::integer, %s::float8, %s::boolean)")
+_SETTLE_CALL = "SELECT * FROM kiln_settle(%s::jsonb)"
+_RENEW_CALL = ("SELECT * FROM kiln_renew(%s::text[], %s::integer[], %s::integer[], "
+               "%s::integer[], %s::float8)")
+_EXPIRED = """SELECT f.generation_id AS gid, e.org_id AS org, e.api_key_id AS key, e.model,
+       e.stream, e.prompt_tokens, e.cached_tokens, e.completion_tokens, e.started_at,
+       clock_timestamp() AS cutoff
+  FROM in_flight f JOIN usage_events e ON e.id = f.generation_id
+ WHERE f.expires_at < clock_timestamp() AND (%s::integer IS NULL OR f.org_id = %s::integer)
+ LIMIT %s"""
+
+
+class PostgresStore:
+    """The ledger's statements on Postgres (one round trip each).
+
+    :param engine: a SQLAlchemy engine whose pool hands out autocommit psycopg connections.
+    """
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def _call(self, sql, params):
+        """Run one statement on a pooled connection; return its rows.
+
+        A connection found broken is dropped from the pool (a database restart) and the error
+        raised; callers retry.
+        """
+        try:
+            conn = self.engine.raw_connection()
+        except sa.exc.TimeoutError as err:
+            raise ServiceUnavailable("Kiln's database connections are all busy; retry with "
+                                     "backoff.", code="database_busy",
+                                     headers={"Retry-After": "1"}) from err
+        try:
+            with conn.cursor() as cur:
+                cur.execute(sql, params)
+                return cur.fetchall()
+        except psycopg.Error:
+            conn.invalidate()
+            raise
+        finally:
+            conn.close()
+
+    def admit_once(self, a):
+        """Try once to admit :class:`gateway.ledger.AdmissionRequest` ``a``; return the row."""
+        rows = self._call(_ADMIT_CALL, (a.gid, a.org_id, a.key_id, a.model, a.stream, a.hold_nanos,
+                                        a.in_flight_limit, a.lease_ttl_s, a.key_checks))
+        return rows[0] if rows else None
+
+    def settle_batch(self, settlements):
+        """Settle ``settlements`` in one transaction; return ``{gid: debited nano-dollars}``."""
+        batch = json.dumps([s.as_record() for s in settlements])
+        return dict(self._call(_SETTLE_CALL, (batch,)))
+
+    def renew(self, leases, lease_ttl_s):
+        """Renew ``leases`` (with their progress); return ``{gid: state}``."""
+        gids, prompt, cached, completion = [], [], [], []
+        for gid, usage in leases:
+            gids.append(gid)
+            prompt.append(usage.prompt if usage else -1)
+            cached.append(usage.cached if usage else 0)
+            completion.append(usage.completion if usage else 0)
+        return dict(self._call(_RENEW_CALL, (gids, prompt, cached, completion, lease_ttl_s)))
+
+    def expired(self, org_id, limit):
+        """Return rows of expired leases with their events' recorded progress."""
+        with self.engine.connect() as conn:
+            return conn.exec_driver_sql(_EXPIRED, (org_id, org_id, limit)).mappings().all()

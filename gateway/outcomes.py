@@ -1,0 +1,87 @@
+"""How a generation ends: one table from what ended it to the usage event's status, the HTTP
+status the client got, and the error code.
+
+The flow (:mod:`gateway.completions`) asks :func:`outcome_for` once, in its one ``finally``;
+nothing else decides a status.
+"""
+from dataclasses import dataclass
+from enum import Enum
+
+from .errors import (GatewayError, ServiceUnavailable, UpstreamError, UpstreamRejected,
+                     UpstreamTimeout)
+from .relay import ClientGone, StreamFailed
+
+
+class Status(str, Enum):
+    """A usage event's status (``usage_events.status``)."""
+
+    PENDING = "pending"                    # admitted, not settled yet
+    COMPLETED = "completed"                # the generation ended normally (also at its budget)
+    CLIENT_CANCELLED = "client_cancelled"  # the client left first
+    REJECTED = "rejected"                  # the backend refused the request (4xx)
+    UPSTREAM_ERROR = "upstream_error"      # the backend failed or was unreachable
+    TIMEOUT = "timeout"                    # the backend was too slow (connect, first byte, idle)
+    ABANDONED = "abandoned"                # the worker was lost; closed by the sweeper
+    ERROR = "error"                        # Kiln itself failed
+
+
+class LeaseLost(Exception):
+    """The generation's in-flight lease was swept (its settlement is done): stop relaying."""
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How one generation ended."""
+
+    status: Status
+    http_status: int      # what the client got (200 for a stream that began, 499 gone)
+    code: str = None      # the error envelope's ``code``
+    message: str = None   # the error message (kept on the usage event, not in logs)
+
+
+CLIENT_CLOSED = 499  # nginx's code for a client that closed the connection first
+
+# What ended the generation -> (status, HTTP status before the stream began, code). Checked in
+# order: the first class that matches wins. A failure after a stream began is told to the client
+# as an SSE error event in a 200 response.
+TABLE = (
+    (ClientGone, Status.CLIENT_CANCELLED, CLIENT_CLOSED, None),
+    (GeneratorExit, Status.CLIENT_CANCELLED, CLIENT_CLOSED, None),
+    (LeaseLost, Status.ABANDONED, 500, "lease_lost"),
+    (UpstreamTimeout, Status.TIMEOUT, 502, "upstream_timeout"),
+    (UpstreamRejected, Status.REJECTED, 400, "upstream_rejected"),
+    (ServiceUnavailable, Status.UPSTREAM_ERROR, 503, None),
+    (UpstreamError, Status.UPSTREAM_ERROR, 502, "upstream_error"),
+    (GatewayError, Status.ERROR, None, None),
+    (BaseException, Status.ERROR, 500, "internal_error"),
+)
+STREAM_FAILURES = {"timeout": (Status.TIMEOUT, "upstream_timeout"),
+                   "too_large": (Status.UPSTREAM_ERROR, "upstream_too_large"),
+                   "upstream_error": (Status.UPSTREAM_ERROR, "upstream_error")}
+COMPLETED = Outcome(Status.COMPLETED, 200)
+
+
+def outcome_for(exc, stream_began=False):
+    """Return the :class:`Outcome` of a generation ended by ``exc`` (None: it completed).
+
+    :param stream_began: the stream's headers went out, so the client saw a 200.
+    """
+    if exc is None:
+        return COMPLETED
+    if isinstance(exc, StreamFailed):
+        status, code = STREAM_FAILURES[exc.kind]
+        return Outcome(status, 200, code, str(exc))
+    status, http_status, code = next(row[1:] for row in TABLE if isinstance(exc, row[0]))
+    if isinstance(exc, GatewayError):
+        http_status, code = http_status or exc.status, code or exc.code
+        message = exc.message
+    else:
+        message = None if status is Status.CLIENT_CANCELLED else _internal(exc)
+    if stream_began and status is not Status.CLIENT_CANCELLED:
+        http_status = 200
+    return Outcome(status, http_status, code, message)
+
+
+def _internal(exc):
+    return "lease expired: the generation was closed by the sweeper" \
+        if isinstance(exc, LeaseLost) else f"internal error ({type(exc).__name__})"

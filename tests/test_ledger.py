@@ -1,0 +1,196 @@
+"""The ledger when the database fails (README "Metering"; docs/METERING.md, "When the usage
+event is final"), on a private Postgres cluster that the tests stop and crash:
+
+- Postgres stopped while generations finish: every settlement is retried until it commits, with
+  the real usage; ``kiln credits reconcile`` is clean afterwards.
+- Under load, a worker killed with SIGKILL and Postgres crashed (immediate stop) mid-run: every
+  answer a client saw has exactly one usage event whose cost is the one it was told, no balance
+  is below zero, no lease is left, and reconciliation is clean.
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from decimal import Decimal
+from pathlib import Path
+
+import pytest
+import requests
+import sqlalchemy as sa
+
+from fake_upstream import chat_chunk, chat_completion, json_reply, make_usage, sse
+from gateway_proc import Gateway, make_org, migrate, wait_until
+from pg_cluster import Cluster
+
+pytestmark = pytest.mark.postgres
+
+KILN = str(Path(sys.executable).with_name("kiln"))
+MESSAGES = [{"role": "user", "content": "Say hello"}]
+
+
+@pytest.fixture
+def cluster():
+    c = Cluster().start()
+    engine = sa.create_engine(c.url, isolation_level="AUTOCOMMIT")
+    with engine.connect() as conn:
+        conn.execute(sa.text("CREATE DATABASE kiln"))
+    engine.dispose()
+    c.db_url = c.url.rsplit("/", 1)[0] + "/kiln"
+    migrate(c.db_url)
+    yield c
+    c.destroy()
+
+
+@pytest.fixture
+def db(cluster):
+    engine = sa.create_engine(cluster.db_url, pool_pre_ping=True)
+    yield engine
+    engine.dispose()
+
+
+def gateway_on(cluster, catalog_path, **env):
+    settings = {"KILN_DATABASE_URL": cluster.db_url, "KILN_MODELS": str(catalog_path),
+                "KILN_KEY_CACHE_TTL_S": "30"}
+    settings.update({f"KILN_{k.upper()}": str(v) for k, v in env.items()})
+    return Gateway(settings, workers=2).start()
+
+
+def reconcile(cluster):
+    env = {"KILN_DATABASE_URL": cluster.db_url, "PATH": "/usr/bin:/bin"}
+    return subprocess.run([KILN, "credits", "reconcile"], env=env, capture_output=True,
+                          text=True, timeout=60)
+
+
+def events(db, gids):
+    with db.connect() as conn:
+        rows = conn.execute(sa.text("SELECT * FROM usage_events WHERE id = ANY(:g)"),
+                            {"g": list(gids)}).mappings().all()
+    return {r["id"]: dict(r) for r in rows}
+
+
+def test_settlements_wait_out_a_stopped_database(cluster, db, catalog_path, fake):
+    """20 streams finish while Postgres is stopped for 5 s: all are settled once it returns,
+    each with the usage its backend reported (12 prompt, 3 completion tokens)."""
+    gw = gateway_on(cluster, catalog_path)
+    try:
+        org = make_org(db, f"outage-{uuid.uuid4().hex[:8]}", limit=20)
+        usage = make_usage(prompt=12, completion=3)
+        fake.default = lambda record: sse(
+            [chat_chunk("a"), chat_chunk("b"), chat_chunk("c", finish_reason="stop"),
+             chat_chunk(choices=False, usage=usage)], delay_s=1.0)
+        results = []
+
+        def stream():
+            r = requests.post(gw.base_url + "/v1/chat/completions", headers=org.headers,
+                              timeout=60, json={"model": "fake-model", "messages": MESSAGES,
+                                                "stream": True})
+            results.append((r.headers["X-Neocloud-Generation-Id"], r.text))
+        threads = [threading.Thread(target=stream) for _ in range(20)]
+        for t in threads:
+            t.start()
+        wait_until(lambda: fake.active == 20, timeout_s=30)
+        cluster.stop()  # the streams finish while the database is gone
+        for t in threads:
+            t.join(60)
+        assert len(results) == 20 and all(t.endswith("data: [DONE]\n\n") for _, t in results)
+        time.sleep(5)
+        cluster.start()
+        gids = [gid for gid, _ in results]
+        settled = wait_until(lambda: (e := events(db, gids)) and len(e) == 20 and all(
+            v["status"] != "pending" for v in e.values()) and e, timeout_s=60)
+        assert {(v["status"], v["prompt_tokens"], v["completion_tokens"], v["estimated"])
+                for v in settled.values()} == {("completed", 12, 3, False)}
+        assert {v["cost_nanos"] for v in settled.values()} == {2_100}  # 1.2 + 0.9 µ$
+        assert "settlement of" in gw.log()  # the retries were logged
+        check = reconcile(cluster)
+        assert check.returncode == 0, check.stdout + check.stderr
+    finally:
+        gw.stop()
+
+
+def client_load(gw, orgs, stop, seen):
+    """Requests in a loop until ``stop``: streams and JSON; record every answer's generation id,
+    whether the client saw it complete, and the cost it was told."""
+    session = requests.Session()
+    i = 0
+    while not stop.is_set():
+        org = orgs[i % len(orgs)]
+        stream = i % 2 == 0
+        i += 1
+        try:
+            r = session.post(gw.base_url + "/v1/chat/completions", headers=org.headers,
+                             timeout=30, stream=stream,
+                             json={"model": "fake-model", "messages": MESSAGES,
+                                   "stream": stream, "max_tokens": 20,
+                                   **({"stream_options": {"include_usage": True}}
+                                      if stream else {})})
+            text = r.text
+        except requests.RequestException:
+            continue  # a killed worker's connection: no answer was seen
+        gid = r.headers.get("X-Neocloud-Generation-Id")
+        if gid is None:
+            continue  # refused before admission (503 while the database was down, 429)
+        seen.append((gid, r.status_code, _told_cost(text, stream)))
+
+
+def _told_cost(text, stream):
+    """The ``usage.cost`` an answer told the client (exact), or None if it saw none."""
+    try:
+        if not stream:
+            return Decimal(str(json.loads(text, parse_float=Decimal)["usage"]["cost"]))
+        lines = [json.loads(line[6:], parse_float=Decimal) for line in text.splitlines()
+                 if line.startswith("data: {")]
+        if text.endswith("data: [DONE]\n\n") and lines and lines[-1].get("usage"):
+            return lines[-1]["usage"]["cost"]
+    except (ValueError, KeyError, TypeError):
+        pass
+    return None
+
+
+def test_money_stays_exact_through_a_killed_worker_and_a_database_crash(
+        cluster, db, catalog_path, fake):
+    gw = gateway_on(cluster, catalog_path, lease_ttl_s=3, sweep_interval_s=1)
+    try:
+        orgs = [make_org(db, f"crash-{i}-{uuid.uuid4().hex[:6]}", limit=4) for i in range(3)]
+        fake.default = lambda record: (
+            sse([chat_chunk("x"), chat_chunk("y", finish_reason="stop"),
+                 chat_chunk(choices=False, usage=make_usage(9, 2))], delay_s=0.05)
+            if (record.json or {}).get("stream") else
+            json_reply(chat_completion("xy", usage=make_usage(9, 2))))
+        stop, seen = threading.Event(), []
+        clients = [threading.Thread(target=client_load, args=(gw, orgs, stop, seen))
+                   for _ in range(6)]
+        for t in clients:
+            t.start()
+        time.sleep(3)
+        os.kill(gw.worker_pids()[0], signal.SIGKILL)
+        time.sleep(2)
+        cluster.crash_and_restart()
+        time.sleep(4)
+        stop.set()
+        for t in clients:
+            t.join(60)
+        time.sleep(4)  # a lease TTL and more: the killed worker's leases expired
+        subprocess.run([KILN, "sweep"], env={"KILN_DATABASE_URL": cluster.db_url,
+                                             "KILN_MODELS": str(catalog_path)},
+                       check=True, capture_output=True, timeout=60)
+        gids = {gid for gid, _, _ in seen}
+        assert len(seen) > 50 and len(gids) == len(seen)
+        found = wait_until(lambda: (e := events(db, gids)) and all(
+            v["status"] != "pending" for v in e.values()) and e, timeout_s=60)
+        assert set(found) == gids  # every answer a client saw has its usage event
+        for gid, status, cost in seen:
+            if status == 200 and cost is not None:
+                assert Decimal(found[gid]["cost_nanos"]) / 10**9 == cost, found[gid]
+        with db.connect() as conn:
+            assert conn.execute(sa.text("SELECT count(*) FROM in_flight")).scalar_one() == 0
+            assert conn.execute(sa.text(
+                "SELECT count(*) FROM credit_balances WHERE balance_nanos < 0")).scalar_one() == 0
+        check = reconcile(cluster)
+        assert check.returncode == 0, check.stdout + check.stderr
+    finally:
+        gw.stop()
