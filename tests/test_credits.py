@@ -173,7 +173,7 @@ def test_org_key_and_credits_commands(gateway, pg_url, engine):
     shown = kiln(pg_url, "credits", "grant", name, "2.500000001", "--note", "test").stdout
     assert "balance_usd=2.500000001" in shown
     assert balance_nanos(engine, org_id) == (2_500_000_001, 0, 0)
-    kiln(pg_url, "credits", "grant", str(org_id), "--", "-0.5")  # by id; a negative corrects
+    kiln(pg_url, "credits", "grant", f"id:{org_id}", "--", "-0.5")  # by id; a negative corrects
     assert "available_usd=2.000000001" in kiln(pg_url, "credits", "show", name).stdout
     refused = kiln(pg_url, "credits", "grant", name, "--", "-2.000000002", check=False)
     assert refused.returncode != 0 and "refused" in refused.stderr
