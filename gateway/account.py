@@ -4,6 +4,7 @@ from flask import Blueprint, current_app, g, jsonify, request
 
 from .auth import require_key
 from .billing import from_nanos
+from .db import storable_text
 from .errors import InvalidRequest, NotFound
 from .models import credit_balances, usage_events
 
@@ -34,11 +35,20 @@ def credits():
 @bp.get("/generation")
 @require_key
 def generation():
-    """Show one of the caller's usage events by generation id; another org's id is 404."""
+    """Show one of the caller's usage events by generation id; another org's id is 404.
+
+    An id that no generation can have (longer than the column, control characters such as
+    NUL, invalid Unicode) is a 400 before any query: Postgres refuses NUL in text.
+    """
     gid = request.args.get("id")
     if not gid:
         raise InvalidRequest("Missing required query parameter: 'id'.", param="id",
                              code="missing_required_parameter")
+    if not storable_text(gid, usage_events.c.id.type.length):
+        raise InvalidRequest(f"Invalid 'id': a generation id is at most "
+                             f"{usage_events.c.id.type.length} characters without control "
+                             f"characters, as sent in the X-Neocloud-Generation-Id header.",
+                             param="id", code="invalid_value")
     with current_app.extensions["kiln.engine"].connect() as conn:
         row = conn.execute(sa.select(usage_events).where(
             usage_events.c.id == gid, usage_events.c.org_id == g.principal.org_id)).first()

@@ -5,6 +5,7 @@ per process for ``KILN_KEY_CACHE_TTL_S`` seconds, so a revocation takes effect w
 """
 import functools
 import hashlib
+import re
 import secrets
 import time
 from dataclasses import dataclass
@@ -19,6 +20,9 @@ from .models import api_keys, orgs
 KEY_PREFIX = "kiln-"
 PREFIX_LEN = 12  # "kiln-" plus 7 random characters: enough to tell keys apart in logs
 _CACHE_MAX = 10_000
+# What create_key can produce ("kiln-" + token_urlsafe(32): 48 characters of the URL-safe
+# alphabet), with room to spare. Anything else is refused without a database lookup.
+_KEY_SHAPE = re.compile(r"[A-Za-z0-9_-]{1,256}")
 
 
 @dataclass(frozen=True)
@@ -102,7 +106,7 @@ def authenticate():
     key = key.strip()
     if scheme.lower() != "bearer" or not key:
         raise Unauthorized("Missing API key: send 'Authorization: Bearer <key>'.")
-    principal = _cached_lookup(key)
+    principal = _cached_lookup(key) if _KEY_SHAPE.fullmatch(key) else None
     if principal is None:
         raise Unauthorized("Incorrect API key provided.")
     if principal.revoked:

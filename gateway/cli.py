@@ -2,9 +2,13 @@
 
 Reads the same ``KILN_*`` settings as the gateway. ``kiln key create`` prints the new key as the
 last line of stdout, so scripts can take it with ``tail -n 1``.
+
+An org is named by its name (``acme``, also ``7``); by id only as ``id:7``, so that the org
+named ``7`` and the org with id 7 are never confused. Names cannot begin with ``id:``.
 """
+import re
 import sys
-from decimal import Decimal, InvalidOperation
+from decimal import Decimal
 from pathlib import Path
 
 import click
@@ -14,10 +18,10 @@ from . import auth, ops
 from .account import org_credits
 from .catalog import load_catalog
 from .config import Config
-from .db import create_engine
+from .db import create_engine, is_postgres, storable_text
 from .ledger import Ledger
-from .ledger.operator import grant
-from .models import orgs
+from .ledger.operator import GRANT
+from .models import api_keys, credit_balances, orgs
 from .reconcile import format_table, reconcile
 
 MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
@@ -105,17 +109,80 @@ def db_check(ctx):
 
 # -- orgs and keys -------------------------------------------------------------------------------
 
-def find_org(engine, ref):
-    """Return the org id for a name or numeric id.
+ID_PREFIX = "id:"
+ORG_NAME_MAX = orgs.c.name.type.length
 
-    :raises click.ClickException: no such org.
+
+def find_org(engine, ref):
+    """Return the id of the org ``ref`` names: a name, or ``id:N`` for the org with id N.
+
+    A bare number is a name like any other: ``7`` is the org named "7", never the org with id 7.
+
+    :raises click.ClickException: no such org (with a hint when ``ref`` is an id written bare).
     """
+    if ref.startswith(ID_PREFIX):
+        org_id = _org_id(ref[len(ID_PREFIX):])
+        if org_id is None:
+            raise click.ClickException(f"no org {ref!r}: an org id is written id:N, N a number")
+        if (found := _select_org(engine, orgs.c.id == org_id)) is None:
+            raise click.ClickException(f"no org with id {org_id}")
+        return found
+    found = _select_org(engine, orgs.c.name == ref) if storable_text(ref, ORG_NAME_MAX) else None
+    if found is None:
+        raise click.ClickException(f"no org named {ref!r}{_id_hint(engine, ref)}")
+    return found
+
+
+def _select_org(engine, where):
     with engine.connect() as conn:
-        row = conn.execute(sa.select(orgs.c.id).where(
-            (orgs.c.name == ref) | (orgs.c.id == (int(ref) if ref.isdigit() else -1)))).first()
-    if row is None:
-        raise click.ClickException(f"no org {ref!r}")
-    return row.id
+        return conn.execute(sa.select(orgs.c.id).where(where)).scalar()
+
+
+def _id_hint(engine, ref):
+    """When ``ref`` is the id of an org written bare, say how to write it."""
+    org_id = _org_id(ref)
+    if org_id is not None and _select_org(engine, orgs.c.id == org_id) is not None:
+        return f" (the org with id {org_id} is {ID_PREFIX}{org_id})"
+    return ""
+
+
+def _org_id(text):
+    """Return ``text`` as an org id (ASCII digits, within an INTEGER), or None."""
+    if text.isascii() and text.isdigit() and len(text) <= 9:
+        return int(text)
+    return None
+
+
+def check_org_name(name):
+    """Refuse a name that is not 1-200 printable characters without surrounding spaces, or that
+    begins with ``id:`` (it would read as an org id).
+
+    :raises click.BadParameter: the name, and why.
+    """
+    if not (name and storable_text(name, ORG_NAME_MAX) and name.isprintable()
+            and name == name.strip()):
+        raise click.BadParameter(f"an org name is 1 to {ORG_NAME_MAX} printable characters, "
+                                 f"without leading or trailing spaces: {name!r}",
+                                 param_hint="NAME")
+    if name.lower().startswith(ID_PREFIX):
+        raise click.BadParameter(f"an org name cannot begin with {ID_PREFIX!r} (that is how "
+                                 f"org ids are written): {name!r}", param_hint="NAME")
+
+
+class Text(click.ParamType):
+    """One line of text the database stores as given: no control characters, valid Unicode
+    (argv may carry undecodable bytes), at most ``max_chars`` characters."""
+
+    name = "text"
+
+    def __init__(self, max_chars):
+        self.max_chars = max_chars
+
+    def convert(self, value, param, ctx):
+        if not storable_text(value, self.max_chars):
+            self.fail(f"at most {self.max_chars} characters, no control characters, valid "
+                      f"UTF-8: {value!r}", param, ctx)
+        return value
 
 
 @main.group()
@@ -130,6 +197,7 @@ def org():
 @pass_ctx
 def org_create(ctx, name, limit):
     """Create org NAME; print its id."""
+    check_org_name(name)
     with ctx.engine.begin() as conn:
         if conn.execute(sa.select(orgs.c.id).where(orgs.c.name == name)).first():
             raise click.ClickException(f"org {name!r} exists")
@@ -160,8 +228,9 @@ def key():
 
 @key.command("create")
 @click.argument("org_ref")
-@click.option("--name", default=None)
-@click.option("--models", default=None, help="Comma-separated allow-list of model ids.")
+@click.option("--name", type=Text(api_keys.c.name.type.length), default=None)
+@click.option("--models", type=Text(4000), default=None,
+              help="Comma-separated allow-list of model ids.")
 @pass_ctx
 def key_create(ctx, org_ref, name, models):
     """Create a key for ORG_REF; the key is the last line of stdout (shown only this once)."""
@@ -175,7 +244,7 @@ def key_create(ctx, org_ref, name, models):
 
 
 @key.command("revoke")
-@click.argument("prefix")
+@click.argument("prefix", type=Text(api_keys.c.prefix.type.length))
 @pass_ctx
 def key_revoke(ctx, prefix):
     """Revoke the key whose display prefix is PREFIX."""
@@ -192,23 +261,68 @@ def credits():
     """Prepaid credits."""
 
 
+# The balance is kept in BIGINT nano-dollars; NUMERIC(20, 9) could hold 10 times more.
+MAX_BALANCE_NANOS = 2**63 - 1
+# SQLite keeps NUMERIC as a binary float, exact to 15 significant digits: below $1,000,000 an
+# amount of nano-dollars has at most 15, and its trigger converts it exactly.
+SQLITE_MAX_GRANT_USD = Decimal("999999.999999999")
+PLAIN_DECIMAL = re.compile(r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)")
+NANO = Decimal("0.000000001")
+
+
+def parse_grant_usd(text, postgres):
+    """Return ``text`` as an exact, non-zero Decimal of USD that the grant trigger records as
+    given: plain decimal notation (no exponent, NaN or Infinity), at most 9 decimal places,
+    within the balance's range (below $1,000,000 per grant on SQLite).
+
+    :param postgres: whether the database is Postgres.
+    :raises click.BadParameter: the amount, and the rule it breaks.
+    """
+    def refuse(why):
+        return click.BadParameter(f"{text!r}: {why}", param_hint="USD")
+    if not PLAIN_DECIMAL.fullmatch(text):
+        raise refuse("write the amount in plain decimal notation, e.g. 100.00 or -0.5")
+    amount = Decimal(text)
+    if amount == 0:
+        raise refuse("a grant of zero changes nothing")
+    limit = Decimal(MAX_BALANCE_NANOS) * NANO if postgres else SQLITE_MAX_GRANT_USD
+    if abs(amount) > limit:
+        raise refuse(f"more than the largest grant Kiln records exactly ({limit:f} USD on "
+                     f"{'Postgres' if postgres else 'SQLite'})")
+    if amount != amount.quantize(NANO):
+        raise refuse("more than 9 decimal places (credits are kept in nano-dollars)")
+    return amount
+
+
 @credits.command("grant")
 @click.argument("org_ref")
 @click.argument("usd")
-@click.option("--note", default=None)
+@click.option("--note", type=Text(1000), default=None)
 @pass_ctx
 def credits_grant(ctx, org_ref, usd, note):
     """Add USD (exact decimal, may be negative to correct) to ORG_REF's credits."""
-    try:
-        amount = Decimal(usd)
-    except InvalidOperation as err:
-        raise click.BadParameter(f"not a decimal amount: {usd!r}") from err
+    amount = parse_grant_usd(usd, is_postgres(ctx.engine))
     org_id = find_org(ctx.engine, org_ref)
     try:
-        grant(ctx.engine, org_id, amount, note)
+        with ctx.engine.begin() as conn:
+            _check_balance_range(conn, org_id, amount)
+            # The same plain INSERT an operator runs in psql; the trigger moves the balance.
+            conn.execute(GRANT, {"org": org_id, "amount": str(amount), "note": note})
     except sa.exc.IntegrityError as err:  # the grant trigger refused it (migration 0002)
         raise click.ClickException(str(err.orig).splitlines()[0]) from err
+    except sa.exc.DataError as err:  # Postgres: a concurrent grant took the balance to the edge
+        raise click.ClickException(f"credit grant refused: {str(err.orig).splitlines()[0]}") \
+            from err
     _show(ctx.engine, org_id)
+
+
+def _check_balance_range(conn, org_id, amount):
+    balance = conn.execute(sa.select(credit_balances.c.balance_nanos)
+                           .where(credit_balances.c.org_id == org_id)).scalar() or 0
+    if balance + int(amount / NANO) > MAX_BALANCE_NANOS:
+        raise click.ClickException(f"credit grant of {amount} USD refused: the balance would "
+                                   f"exceed {Decimal(MAX_BALANCE_NANOS) * NANO} USD, the most "
+                                   f"Kiln stores")
 
 
 @credits.command("show")
@@ -244,7 +358,7 @@ def credits_reconcile(ctx):
 @click.argument("state", type=click.Choice(["on", "off", "status"]))
 @click.option("--retry-after", "retry_after_s", type=click.IntRange(1), default=300,
               help="Seconds sent in Retry-After.")
-@click.option("--message", default=None)
+@click.option("--message", type=Text(1000), default=None)
 @pass_ctx
 def maintenance(ctx, state, retry_after_s, message):
     """Switch maintenance mode (every worker follows within seconds), or show it."""

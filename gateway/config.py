@@ -40,6 +40,8 @@ class Config:
     # False: no lease, no hold, no usage event, no debit. For benchmarks only (bench/metering.py).
     metering: bool = True
     trusted_proxies: str = "127.0.0.1,::1"
+    # Browser origins allowed to call the API (comma-separated, or "*"); empty: CORS off.
+    cors_origins: str = ""
     log_requests: bool = True
 
     @classmethod

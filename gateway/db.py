@@ -2,6 +2,7 @@
 
 Units of work are short ``engine.begin()`` blocks; no connection is held while a response streams.
 """
+import unicodedata
 from datetime import datetime, timezone
 
 import sqlalchemy as sa
@@ -66,3 +67,14 @@ def utcnow():
 def is_postgres(engine):
     """Tell whether ``engine`` talks to Postgres."""
     return engine.dialect.name == "postgresql"
+
+
+def storable_text(value, max_chars):
+    """Tell whether ``value`` is text both databases store as given: a str of at most
+    ``max_chars`` characters, valid Unicode (no lone surrogates, which have no UTF-8 form) and
+    free of control characters (Postgres refuses NUL in text; the others have no place in a
+    name or an id).
+    """
+    if not isinstance(value, str) or len(value) > max_chars:
+        return False
+    return not any(unicodedata.category(ch) in ("Cc", "Cs") for ch in value)

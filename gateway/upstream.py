@@ -2,6 +2,8 @@
 and one table from upstream failures to gateway errors.
 """
 import json
+import unicodedata
+from http import HTTPStatus
 
 import requests
 import urllib3
@@ -91,32 +93,99 @@ def read_whole(resp, max_bytes):
 
 
 def error_for(status, body):
-    """Map a backend error status and body (bytes) to a gateway error."""
-    if status == 429:
-        return ServiceUnavailable("The model backend is at capacity; retry with backoff.",
-                                  headers={"Retry-After": "1"})
-    if status in (400, 413, 422):
-        return UpstreamRejected(upstream_message(body) or "The model server rejected the request.")
-    return UpstreamError(f"The model backend returned an error (HTTP {status}).")
+    """Map a backend error status and body (bytes) to a gateway error, by :data:`BACKEND_STATUS`.
+
+    The client learns the backend's status in every case; the backend's own words only when
+    they are a short message (:func:`upstream_message`), never its HTML error page.
+    """
+    return BACKEND_STATUS.get(status, _backend_failed)(status, body)
+
+
+def _rejected(status, body):
+    """The backend judged the request (context window, parameters): 400 with its message."""
+    message = upstream_message(body)
+    text = f"The model server rejected the request (HTTP {_status_line(status)})"
+    return UpstreamRejected(f"{text}: {message}" if message else f"{text}.")
+
+
+def _at_capacity(status, body):
+    """The backend is full: 503 with Retry-After; the client retries, nothing was charged."""
+    return ServiceUnavailable(f"The model backend is at capacity (HTTP {_status_line(status)}); "
+                              f"retry with backoff.", headers={"Retry-After": "1"})
+
+
+def _backend_failed(status, body):
+    """Anything else (5xx, 401/403/404 of a misconfigured backend, ...): 502, plain text."""
+    return UpstreamError(f"The model backend returned an error (HTTP {_status_line(status)}).")
+
+
+# Backend status -> gateway error (endpoint reference, "Errors"): 400 "the model server rejected
+# the request"; 503 when it is at capacity; every other status, 502 "backend error".
+BACKEND_STATUS = {400: _rejected, 413: _rejected, 422: _rejected, 429: _at_capacity}
+MAX_QUOTED_CHARS = 500  # a longer backend message is not quoted: it is a page, a dump or an echo
+
+
+def _status_line(status):
+    try:
+        return f"{status} {HTTPStatus(status).phrase}"
+    except ValueError:
+        return str(status)
 
 
 def upstream_message(body):
-    """Extract a human message from a backend error body (OpenAI envelope, FastAPI, text)."""
+    """Return the backend's message from an error body (bytes), fit to quote to the client, or
+    None: an HTML page, an empty or oversized body, or a message longer than
+    :data:`MAX_QUOTED_CHARS` is not quoted.
+
+    Understands the OpenAI envelope (vLLM, SGLang, llama.cpp), FastAPI's ``detail``
+    (llama-cpp-python's validation errors, whose ``input`` echo is left out) and plain text.
+    Control characters become spaces, so the message is also storable in the usage event.
+    """
     try:
         data = json.loads(body)
-    except ValueError:
-        return body.decode("utf-8", "replace").strip()[:1000]
-    if isinstance(data, dict):
-        error = data.get("error")
-        if isinstance(error, dict) and error.get("message"):
-            return str(error["message"])
-        if isinstance(error, str):
-            return error
-        if "detail" in data:  # FastAPI (llama-cpp-python) validation errors
-            return json.dumps(data["detail"])[:1000]
-        if data.get("message"):
-            return str(data["message"])
-    return json.dumps(data)[:1000]
+    except ValueError:  # includes bytes that are not UTF-8
+        text = body.decode("utf-8", "replace")
+    else:
+        text = _json_message(data)
+    text = _clean(text or "")
+    if not text or len(text) > MAX_QUOTED_CHARS or _looks_like_markup(text):
+        return None
+    return text
+
+
+def _json_message(data):
+    if not isinstance(data, dict):
+        return data if isinstance(data, str) else None
+    error = data.get("error")
+    if isinstance(error, dict) and isinstance(error.get("message"), str):
+        return error["message"]
+    if isinstance(error, str):
+        return error
+    detail = data.get("detail")
+    if isinstance(detail, str):
+        return detail
+    if isinstance(detail, list):  # FastAPI: [{"loc": [...], "msg": "...", "input": ...}]
+        return "; ".join(_fastapi_item(d) for d in detail if isinstance(d, dict)) or None
+    return data["message"] if isinstance(data.get("message"), str) else None
+
+
+def _fastapi_item(item):
+    loc = ".".join(str(p) for p in item.get("loc") or ())
+    msg = str(item.get("msg", ""))
+    return f"{loc}: {msg}" if loc else msg
+
+
+def _clean(text):
+    """Return ``text`` on one line: control characters (NUL, newlines) as spaces, lone
+    surrogates as U+FFFD, runs of spaces as one."""
+    chars = (" " if unicodedata.category(c) == "Cc" else
+             "\ufffd" if unicodedata.category(c) == "Cs" else c for c in text)
+    return " ".join("".join(chars).split())
+
+
+def _looks_like_markup(text):
+    lowered = text[:200].lower()
+    return lowered.startswith("<") or "<html" in lowered or "<!doctype" in lowered
 
 
 def _read_small(resp, limit=65536):

@@ -50,6 +50,7 @@ class Gateway:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                self.stop()  # closes the log file
                 raise RuntimeError(f"gunicorn exited: {self.log()}")
             try:
                 if requests.get(self.base_url + "/healthz", timeout=1).status_code == 200:
@@ -57,6 +58,7 @@ class Gateway:
             except requests.RequestException:
                 pass
             time.sleep(0.1)
+        self.stop()
         raise RuntimeError(f"gunicorn did not become healthy: {self.log()}")
 
     def worker_pids(self):

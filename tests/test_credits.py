@@ -130,6 +130,31 @@ def test_generation_of_another_org_or_unknown_is_404(gateway, fake, org, engine)
                                           "param": "id", "code": "not_found"}
 
 
+# Percent-encoded in the query string exactly as a client may send them. Control characters
+# (NUL first: Postgres refuses it in text) and ids longer than any generation id are 400.
+UNSTORABLE_IDS = ["%00", "abc%00def", "gen-" + "0" * 23 + "%00", "%01", "gen-%7F", "%C2%85",
+                  "x" * 41, "gen-" + "0" * 4000]
+# Bytes that are not UTF-8 (a lone surrogate's encoding, an overlong NUL, a stray 0xFF):
+# whatever text they decode to, it is no generation of this org.
+NOT_UTF8_IDS = ["%ED%A0%80", "gen-%ED%B0%80", "%C0%80", "%FF"]
+
+
+def test_generation_ids_no_generation_can_have_are_400_or_404_never_500(gateway, org):
+    log_before = len(gateway.log())
+    for raw in UNSTORABLE_IDS + NOT_UTF8_IDS:
+        r = requests.get(f"{gateway.base_url}/v1/generation?id={raw}", headers=org.headers,
+                         timeout=30)
+        expected = 400 if raw in UNSTORABLE_IDS else 404
+        assert r.status_code == expected, (raw[:40], r.status_code, r.text[:300])
+        error = r.json()["error"]
+        assert error["param"] == "id" and error["type"] == "invalid_request_error"
+        assert error["code"] == ("invalid_value" if expected == 400 else "not_found")
+        assert "\x00" not in error["message"] and len(error["message"]) < 200
+    assert "Traceback" not in gateway.log()[log_before:]
+    # The longest id a generation can have is looked up as usual.
+    assert get(gateway, "/v1/generation", org, id="g" * 40).status_code == 404
+
+
 def test_generation_without_id_is_400(gateway, org):
     for params in ({}, {"id": ""}):
         r = get(gateway, "/v1/generation", org, **params)
@@ -150,7 +175,7 @@ def test_org_key_and_credits_commands(gateway, pg_url, engine):
     shown = kiln(pg_url, "credits", "grant", name, "2.500000001", "--note", "test").stdout
     assert "balance_usd=2.500000001" in shown
     assert balance_nanos(engine, org_id) == (2_500_000_001, 0, 0)
-    kiln(pg_url, "credits", "grant", str(org_id), "--", "-0.5")  # by id; a negative corrects
+    kiln(pg_url, "credits", "grant", f"id:{org_id}", "--", "-0.5")  # by id; a negative corrects
     assert "available_usd=2.000000001" in kiln(pg_url, "credits", "show", name).stdout
     refused = kiln(pg_url, "credits", "grant", name, "--", "-2.000000002", check=False)
     assert refused.returncode != 0 and "refused" in refused.stderr

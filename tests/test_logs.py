@@ -13,7 +13,7 @@ import pytest
 import requests
 
 from conftest import gateway_env
-from fake_upstream import Hang, Status, chat_chunk, json_reply, sse
+from fake_upstream import Hang, Status, chat_chunk, error_reply, json_reply, sse
 from gateway.auth import PREFIX_LEN
 from gateway.billing import Usage, cost_usd, to_nanos
 from gateway.catalog import Pricing
@@ -118,15 +118,20 @@ def test_one_json_line_per_generation_without_key_or_content(split_gateway, fake
 
 def test_backend_errors_that_echo_the_content_stay_out_of_the_log(split_gateway, fake, engine):
     """A FastAPI model server (llama-cpp-python) answers a bad request with 422 and the
-    offending input in ``detail``; a backend may also end a stream with an error event that
-    quotes the prompt. The client gets those messages; the log does not."""
+    offending input in ``detail``; another backend's short 400 message may quote the prompt; a
+    backend may also end a stream with an error event that quotes it. The client gets those
+    messages (the 422's without its echo of the input); the log does not."""
     gw = split_gateway
     org = make_org(engine, "logs-echo")
     detail = {"detail": [{"type": "string_type", "loc": ["body", "messages", 0, "content"],
                           "msg": "Input should be a valid string", "input": SECRET}]}
     fake.enqueue(json_reply(detail, status=422))
     rejected = post(gw, org.headers, {"model": "fake-model", "messages": messages("a")})
-    assert rejected.status_code == 400 and SECRET in rejected.text
+    assert rejected.status_code == 400 and "Input should be a valid string" in rejected.text
+    assert SECRET not in rejected.text
+    fake.enqueue(error_reply(400, f"unsupported content '{SECRET}'"))
+    quoted = post(gw, org.headers, {"model": "fake-model", "messages": messages("c")})
+    assert quoted.status_code == 400 and SECRET in quoted.text
     fake.enqueue([Status(200, {"Content-Type": "text/event-stream"})] + sse(
         [chat_chunk("x"), {"error": {"message": f"prompt '{SECRET}' hit a filter"}}],
         done=False)[1:])
@@ -134,8 +139,8 @@ def test_backend_errors_that_echo_the_content_stay_out_of_the_log(split_gateway,
                                     "stream": True})
     assert SECRET in failed.text and "[DONE]" not in failed.text
     lines = wait_until(lambda: (g := [r for r in records(gw) if r.get("event") == "generation"])
-                       and len(g) == 2 and g)
-    assert sorted(line["status"] for line in lines) == ["rejected", "upstream_error"]
+                       and len(g) == 3 and g)
+    assert sorted(line["status"] for line in lines) == ["rejected", "rejected", "upstream_error"]
     assert_never_logged(gw, org.key)
 
 
