@@ -342,9 +342,9 @@ class ChaosRun:
                     print(f"    seen from t={start:.2f}s to t={end:.2f}s", file=out)
                     for f in self.fault_log:
                         if f.t_start - 5 <= span[1] and f.t_end + 5 >= span[0]:
-                            print(f"    fault {f.kind} {f.state} {f.result} "
-                                  f"t={f.t_start - self.t0:.2f}s..{f.t_end - self.t0:.2f}s "
-                                  f"{f.detail}", file=out)
+                            name = f"{f.kind} {f.state}".strip()
+                            print(f"    fault {name} ({f.result}) t={f.t_start - self.t0:.2f}s.."
+                                  f"{f.t_end - self.t0:.2f}s {f.detail}".rstrip(), file=out)
                 for gid in re.findall(r"gen-[0-9a-f]{24}", text)[:1]:
                     for line in _log_lines(logs, gid):
                         print(f"    gateway log: {line}", file=out)
@@ -403,12 +403,17 @@ def _violations_table(violations):
 
 def _log_figures(logs):
     text = "\n".join(logs)
-    figures = {"tracebacks": text.count("Traceback (most recent call last)"),
-               "settlement failed": text.count("settlement failed"),
-               "sweeper closed": len(re.findall(r"sweeper closed \d+", text)),
+    figures = {"settlement failed": text.count("settlement failed"),
+               "sweeps that closed generations": len(re.findall(r"sweeper closed \d+", text)),
                "database unavailable": text.count("database unavailable"),
                "worker timeouts": text.count("WORKER TIMEOUT")}
-    return "Gateway logs: " + ", ".join(f"{k} {v}" for k, v in figures.items())
+    # The exception that ends each traceback: its first unindented line after the header.
+    ends = Counter(m.group(1) for m in re.finditer(
+        r"Traceback \(most recent call last\):\n(?:[ \t].*\n)*([A-Za-z_.]+(?:Error|Exception|"
+        r"Exit|Interrupt)?)", text))
+    chain = ", ".join(f"{k} {v}" for k, v in sorted(ends.items())) or "none"
+    return ("Gateway logs: " + ", ".join(f"{k} {v}" for k, v in figures.items())
+            + f"\nGateway log tracebacks (by exception): {chain}")
 
 
 def _log_lines(logs, gid):

@@ -46,7 +46,9 @@ class PrivatePostgres:
     def __init__(self, workdir):
         self.bindir = pg_bindir()
         self.port = free_port()
-        self.root = Path(tempfile.mkdtemp(prefix="pg-", dir=workdir))
+        self.workdir = Path(workdir)
+        # Its own directory, not under workdir: the server's OS user must be able to reach it.
+        self.root = Path(tempfile.mkdtemp(prefix="kiln-chaos-pg-"))
         self.data = self.root / "data"
         self.log_path = self.root / "postgres.log"
         self.as_user = []
@@ -64,8 +66,12 @@ class PrivatePostgres:
         return f"postgresql+psycopg://{PG_USER}@127.0.0.1:{self.port}/{DB_NAME}"
 
     def _run(self, *args, timeout_s=120):
-        return subprocess.run([*self.as_user, os.path.join(self.bindir, args[0]), *args[1:]],
-                              capture_output=True, text=True, timeout=timeout_s, check=True)
+        done = subprocess.run([*self.as_user, os.path.join(self.bindir, args[0]), *args[1:]],
+                              capture_output=True, text=True, timeout=timeout_s)
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(args)} exited {done.returncode}: "
+                               f"{(done.stderr or done.stdout).strip()[-2000:]}")
+        return done
 
     def start(self):
         """Create the cluster and the database, and start the server."""
@@ -93,13 +99,15 @@ class PrivatePostgres:
         self._pg_ctl("restart", "-m", "immediate")
 
     def stop(self):
-        """Stop the server and remove the cluster."""
+        """Stop the server, keep its log in the run's workdir, and remove the cluster."""
         if (self.data / "postmaster.pid").exists():
             try:
                 self._pg_ctl("stop", "-m", "fast")
-            except subprocess.CalledProcessError:
+            except RuntimeError:
                 self._pg_ctl("stop", "-m", "immediate")
-        shutil.rmtree(self.data, ignore_errors=True)
+        if self.log_path.exists():
+            shutil.copy(self.log_path, self.workdir / "postgres.log")
+        shutil.rmtree(self.root, ignore_errors=True)
 
     def log(self):
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
