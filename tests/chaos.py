@@ -342,8 +342,8 @@ class ChaosRun:
                     print(f"    seen from t={start:.2f}s to t={end:.2f}s", file=out)
                     for f in self.fault_log:
                         if f.t_start - 5 <= span[1] and f.t_end + 5 >= span[0]:
-                            name = f"{f.kind} {f.state}".strip()
-                            print(f"    fault {name} ({f.result}) t={f.t_start - self.t0:.2f}s.."
+                            fault = f"{f.kind} {f.state}".strip()
+                            print(f"    fault {fault} ({f.result}) t={f.t_start - self.t0:.2f}s.."
                                   f"{f.t_end - self.t0:.2f}s {f.detail}".rstrip(), file=out)
                 for gid in re.findall(r"gen-[0-9a-f]{24}", text)[:1]:
                     for line in _log_lines(logs, gid):
