@@ -172,6 +172,7 @@ class ChaosRun:
                 future.result()
         injector.join()
         self.traffic_end = time.monotonic()
+        self.gateways_alive = self.gateways.alive()
         self._quiesce()
         self._stop.set()
         sampler.join()
@@ -322,12 +323,20 @@ class ChaosRun:
                           for i, (limit, _) in enumerate(ORGS))
         print(f"\nIn-flight peak (sampled / at the backends / limit): {peaks}", file=out)
         print(f"Samples: {dict(self.samples)}", file=out)
+        bursts = defaultdict(set)
+        for o in self.observations:
+            if o.kind == "burst":
+                bursts[o.action].add(o.status)
+        print(f"Bursts: {len(bursts)}, of which {sum(429 in s for s in bursts.values())} met a "
+              f"429", file=out)
         print("Orgs at the end: " + ", ".join(
             f"{r['name']} balance {Decimal(r['balance_nanos']) / checks.NANOS_PER_USD} USD, "
             f"{r['grants']} grants, {r['events']} usage events ({r['billed']} billed)"
             for r in self.credits), file=out)
         print(_log_figures(self.gateways.logs()), file=out)
         print(_violations_table(self.violations), file=out)
+        if not self.gateways_alive:
+            self.notes.append("a gunicorn master exited during the run")
         for note in self.notes:
             print(f"note: {note}", file=out)
 
