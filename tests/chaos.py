@@ -16,34 +16,27 @@ import sys
 import tempfile
 import threading
 import time
-from collections import Counter, defaultdict
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
-from decimal import Decimal
 from pathlib import Path
 
 import psycopg
-from psycopg.rows import dict_row
 
 import chaos_checks as checks
 from chaos_clients import Keys, play, play_burst
-from chaos_cluster import Gateways, Kiln, PrivatePostgres, catalog_toml
+from chaos_cluster import (GATEWAY_SETTINGS, Database, Gateways, Kiln, PrivatePostgres,
+                           catalog_toml)
 from chaos_plan import ORGS, build_plan, fingerprint
+from chaos_report import CREDITS_SQL, print_evidence, print_report
 from chaos_upstream import Backends, parse_marker
 
-LEASE_TTL_S = 6.0
-KEY_GRACE_S = 3.0           # key cache TTL (1 s) plus a wide margin
-MAINTENANCE_GRACE_S = 2.5   # maintenance poll (0.5 s) plus a wide margin
+LEASE_TTL_S = float(GATEWAY_SETTINGS["KILN_LEASE_TTL_S"])
+# How long after a revocation or `maintenance on` every worker must follow: the key cache TTL
+# or the maintenance poll interval, plus a margin wide enough for a loaded machine.
+KEY_GRACE_S = float(GATEWAY_SETTINGS["KILN_KEY_CACHE_TTL_S"]) + 2.0
+MAINTENANCE_GRACE_S = float(GATEWAY_SETTINGS["KILN_MAINTENANCE_POLL_S"]) + 2.0
 SAMPLE_EVERY_S = 1.0
-CREDITS_SQL = """
-SELECT o.name, b.balance_nanos,
-       (SELECT count(*) FROM credit_grants g WHERE g.org_id = o.id) AS grants,
-       (SELECT count(*) FROM usage_events e WHERE e.org_id = o.id) AS events,
-       (SELECT count(*) FROM usage_events e WHERE e.org_id = o.id AND e.cost_nanos > 0) AS billed
-  FROM orgs o JOIN credit_balances b ON b.org_id = o.id ORDER BY o.id
-"""
-UPSTREAM_FAULTS = ("reset", "error_500", "hang", "garbage", "usage_null", "usage_negative",
-                   "usage_string", "usage_huge")
 
 
 @dataclass
@@ -57,44 +50,6 @@ class FaultRecord:
     result: str
     state: str = ""
     detail: str = ""
-
-
-class Database:
-    """Plain SQL on the documented tables, surviving the run's Postgres restarts."""
-
-    def __init__(self, dsn):
-        self.dsn = dsn
-        self._conn = None
-        self._lock = threading.Lock()
-
-    def query(self, sql, params=None):
-        """Run one statement in autocommit; return its rows as dicts (raises psycopg.Error)."""
-        with self._lock:
-            try:
-                if self._conn is None or self._conn.closed:
-                    self._conn = psycopg.connect(self.dsn, autocommit=True, row_factory=dict_row)
-                cur = self._conn.execute(sql, params)
-                return cur.fetchall() if cur.description else []
-            except psycopg.OperationalError:
-                if self._conn is not None:
-                    self._conn.close()
-                self._conn = None
-                raise
-
-    def query_retrying(self, sql, params=None, timeout_s=30):
-        """As :meth:`query`, retried while the server is restarting."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                return self.query(sql, params)
-            except psycopg.OperationalError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.3)
-
-    def close(self):
-        if self._conn is not None:
-            self._conn.close()
 
 
 class ChaosRun:
@@ -309,131 +264,6 @@ class ChaosRun:
         if self.backends.errors():
             raise RuntimeError("fake backend failed:\n" + "\n".join(self.backends.errors()))
 
-    # -- report --------------------------------------------------------------------------------
-
-    def report(self, out=sys.stdout):
-        p = self.plan
-        print(f"\nKiln chaos run: seed={p.seed} duration={p.duration_s:g}s rate={p.rate_per_s:g}/s "
-              f"schedule={fingerprint(p)} actions={len(p.actions)} "
-              f"wall={self.traffic_end - self.t0:.1f}s", file=out)
-        print(_requests_table(self.observations), file=out)
-        print(_faults_table(self.plan, self.fault_log, self.backends.served), file=out)
-        peaks = ", ".join(f"{self.org_names[i]} {self.peaks.get(self.org_names[i], 0)}"
-                          f"/{self.backend_peaks.get(i, 0)}/{limit}"
-                          for i, (limit, _) in enumerate(ORGS))
-        print(f"\nIn-flight peak (sampled / at the backends / limit): {peaks}", file=out)
-        print(f"Samples: {dict(self.samples)}", file=out)
-        bursts = defaultdict(set)
-        for o in self.observations:
-            if o.kind == "burst":
-                bursts[o.action].add(o.status)
-        print(f"Bursts: {len(bursts)}, of which {sum(429 in s for s in bursts.values())} met a "
-              f"429", file=out)
-        print("Orgs at the end: " + ", ".join(
-            f"{r['name']} balance {Decimal(r['balance_nanos']) / checks.NANOS_PER_USD} USD, "
-            f"{r['grants']} grants, {r['events']} usage events ({r['billed']} billed)"
-            for r in self.credits), file=out)
-        print(_log_figures(self.gateways.logs()), file=out)
-        print(_violations_table(self.violations), file=out)
-        if not self.gateways_alive:
-            self.notes.append("a gunicorn master exited during the run")
-        for note in self.notes:
-            print(f"note: {note}", file=out)
-
-    def evidence(self, out=sys.stdout):
-        """Print each kept violation with the faults around it and its gateway log lines."""
-        logs = self.gateways.logs()
-        for name, items in self.violations.evidence.items():
-            for text, span in items:
-                print(f"VIOLATION {name}: {text}", file=out)
-                if span is not None:
-                    start, end = span[0] - self.t0, span[1] - self.t0
-                    print(f"    seen from t={start:.2f}s to t={end:.2f}s", file=out)
-                    for f in self.fault_log:
-                        if f.t_start - 5 <= span[1] and f.t_end + 5 >= span[0]:
-                            fault = f"{f.kind} {f.state}".strip()
-                            print(f"    fault {fault} ({f.result}) t={f.t_start - self.t0:.2f}s.."
-                                  f"{f.t_end - self.t0:.2f}s {f.detail}".rstrip(), file=out)
-                for gid in re.findall(r"gen-[0-9a-f]{24}", text)[:1]:
-                    for line in _log_lines(logs, gid):
-                        print(f"    gateway log: {line}", file=out)
-
-
-def _requests_table(observations):
-    by_kind = defaultdict(Counter)
-    for o in observations:
-        by_kind[o.kind][o.outcome] += 1
-    outcomes = sorted({o.outcome for o in observations}, key=_outcome_order)
-    lines = ["\nRequests (by kind and outcome)",
-             f"{'kind':<12} {'total':>6} " + " ".join(f"{c:>{max(6, len(c))}}" for c in outcomes)]
-    for kind in sorted(by_kind):
-        row = by_kind[kind]
-        lines.append(f"{kind:<12} {sum(row.values()):>6} "
-                     + " ".join(f"{row[c]:>{max(6, len(c))}}" for c in outcomes))
-    total = Counter(o.outcome for o in observations)
-    lines.append(f"{'all':<12} {len(observations):>6} "
-                 + " ".join(f"{total[c]:>{max(6, len(c))}}" for c in outcomes))
-    return "\n".join(lines)
-
-
-def _outcome_order(name):
-    order = ["complete", "stream_error", "cut", "no_usage"]
-    return (order.index(name), name) if name in order else (len(order), name)
-
-
-def _faults_table(plan, fault_log, served):
-    planned = Counter()
-    for a in plan.actions:
-        if a.kind != "bad_body":
-            planned[a.upstream.kind] += a.size
-    lines = ["\nFaults (by kind)", f"{'fault':<24} {'planned':>8} {'done':>6} {'refused':>8} "
-             f"{'failed':>7}"]
-    for kind in UPSTREAM_FAULTS:
-        lines.append(f"{'upstream ' + kind:<24} {planned[kind]:>8} {served[kind]:>6} "
-                     f"{0:>8} {0:>7}")
-    scheduled = Counter(f.kind + (f" {f.state}" if f.state else "") for f in plan.faults)
-    results = defaultdict(Counter)
-    for f in fault_log:
-        results[f.kind + (f" {f.state}" if f.state else "")][f.result] += 1
-    for kind in sorted(scheduled):
-        r = results[kind]
-        lines.append(f"{kind:<24} {scheduled[kind]:>8} {r['done']:>6} {r['refused']:>8} "
-                     f"{r['failed']:>7}")
-    return "\n".join(lines)
-
-
-def _violations_table(violations):
-    lines = ["\nViolations (by invariant)"]
-    for name in checks.INVARIANTS:
-        lines.append(f"{name:<34} {violations.counts[name]:>6}")
-    lines.append(f"{'total':<34} {violations.total:>6}")
-    return "\n".join(lines)
-
-
-def _log_figures(logs):
-    text = "\n".join(logs)
-    figures = {"settlement failed": text.count("settlement failed"),
-               "sweeps that closed generations": len(re.findall(r"sweeper closed \d+", text)),
-               "database unavailable": text.count("database unavailable"),
-               "worker timeouts": text.count("WORKER TIMEOUT")}
-    # The exception that ends each traceback: its first unindented line after the header.
-    ends = Counter(m.group(1) for m in re.finditer(
-        r"Traceback \(most recent call last\):\n(?:[ \t].*\n)*([A-Za-z_.]+(?:Error|Exception|"
-        r"Exit|Interrupt)?)", text))
-    chain = ", ".join(f"{k} {v}" for k, v in sorted(ends.items())) or "none"
-    return ("Gateway logs: " + ", ".join(f"{k} {v}" for k, v in figures.items())
-            + f"\nGateway log tracebacks (by exception): {chain}")
-
-
-def _log_lines(logs, gid):
-    out = []
-    for log in logs:
-        for line in log.splitlines():
-            if gid in line:
-                out.append(line[:400])
-    return out[:4]
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seed", type=int, default=1)
@@ -466,8 +296,8 @@ def main(argv=None):
         print(f"chaos: the harness failed; logs kept in {workdir}", file=sys.stderr)
         return 2
     run.teardown()
-    run.report()
-    run.evidence()
+    print_report(run)
+    print_evidence(run)
     if run.violations.total:
         print(f"chaos: {run.violations.total} violation(s); logs kept in {workdir}")
         return 1

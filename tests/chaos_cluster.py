@@ -13,9 +13,12 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 import psycopg
+from psycopg.rows import dict_row
 
 from gateway_proc import Gateway, free_port
 
@@ -152,6 +155,44 @@ GATEWAY_SETTINGS = {
     "KILN_UPSTREAM_READ_TIMEOUT_S": "4", "KILN_UPSTREAM_CONNECT_TIMEOUT_S": "2",
     "KILN_GRACEFUL_TIMEOUT": "15", "KILN_DB_POOL_SIZE": "5", "KILN_DB_MAX_OVERFLOW": "10",
 }
+
+
+class Database:
+    """Plain SQL on the documented tables, surviving the run's Postgres restarts."""
+
+    def __init__(self, dsn):
+        self.dsn = dsn
+        self._conn = None
+        self._lock = threading.Lock()
+
+    def query(self, sql, params=None):
+        """Run one statement in autocommit; return its rows as dicts (raises psycopg.Error)."""
+        with self._lock:
+            try:
+                if self._conn is None or self._conn.closed:
+                    self._conn = psycopg.connect(self.dsn, autocommit=True, row_factory=dict_row)
+                cur = self._conn.execute(sql, params)
+                return cur.fetchall() if cur.description else []
+            except psycopg.OperationalError:
+                if self._conn is not None:
+                    self._conn.close()
+                self._conn = None
+                raise
+
+    def query_retrying(self, sql, params=None, timeout_s=30):
+        """As :meth:`query`, retried while the server is restarting."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                return self.query(sql, params)
+            except psycopg.OperationalError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.3)
+
+    def close(self):
+        if self._conn is not None:
+            self._conn.close()
 
 
 class Kiln:
