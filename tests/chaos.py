@@ -12,10 +12,12 @@ import argparse
 import json
 import re
 import shutil
+import signal
 import sys
 import tempfile
 import threading
 import time
+import traceback
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -71,9 +73,12 @@ class ChaosRun:
     # -- set-up ------------------------------------------------------------------------------
 
     def setup(self):
-        self.pg = PrivatePostgres(self.workdir).start()
+        # Each part is kept before it starts, so that teardown stops it even if its start fails.
+        self.pg = PrivatePostgres(self.workdir)
+        self.pg.start()
         self.db = Database(self.pg.dsn)
-        self.backends = Backends(self.plan).__enter__()
+        self.backends = Backends(self.plan)
+        self.backends.__enter__()
         urls = [f.base_url for f in self.backends.fakes]
         catalog = self.workdir / "models.toml"
         catalog.write_text(catalog_toml(urls[-1], urls[:-1]))
@@ -89,7 +94,8 @@ class ChaosRun:
             keys[i] = self.kiln("key", "create", name).stdout.strip().splitlines()[-1]
             self._grant(i, usd, "chaos: starting credits")
         self.keys = Keys(keys)
-        self.gateways = Gateways(env, self.workdir).start()
+        self.gateways = Gateways(env, self.workdir)
+        self.gateways.start()
 
     def _grant(self, org, usd, note):
         # The README's top-up: one plain INSERT; the trigger moves the balance.
@@ -264,6 +270,10 @@ class ChaosRun:
         if self.backends.errors():
             raise RuntimeError("fake backend failed:\n" + "\n".join(self.backends.errors()))
 
+def _interrupt(signum, _frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seed", type=int, default=1)
@@ -284,18 +294,22 @@ def main(argv=None):
     print(f"chaos: seed={plan.seed} duration={plan.duration_s:g}s schedule={fingerprint(plan)} "
           f"({len(plan.actions)} actions, {len(plan.faults)} faults); logs in {workdir}",
           flush=True)
+    # SIGTERM (a CI timeout, systemd) stops the run like Ctrl-C: what it started is stopped.
+    signal.signal(signal.SIGTERM, _interrupt)
     run = ChaosRun(plan, workdir)
     try:
         run.setup()
         run.play()
         run.check()
+    except KeyboardInterrupt:
+        print(f"chaos: interrupted; logs kept in {workdir}", file=sys.stderr)
+        return 130
     except Exception:
-        import traceback
         traceback.print_exc()
-        run.teardown()
         print(f"chaos: the harness failed; logs kept in {workdir}", file=sys.stderr)
         return 2
-    run.teardown()
+    finally:
+        run.teardown()
     print_report(run)
     print_evidence(run)
     if run.violations.total:
