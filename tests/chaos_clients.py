@@ -32,7 +32,7 @@ class Observation:
     kind: str
     org: int
     stream: bool
-    key_kind: str                   # "current", "revoked", "unknown", "none"
+    key_kind: str                   # "current", "revoked" or "unknown"
     key_revoked_at: float = None    # when the revocation of the key used had finished
     upstream: str = ""              # the backend behaviour planned for it (chaos_plan.Upstream)
     bad_body: str = ""              # the contract breach sent, for "bad_body" actions

@@ -11,6 +11,7 @@ import re
 import threading
 from collections import Counter
 
+from chaos_plan import Upstream
 from fake_upstream import (Close, FakeUpstream, Hang, Reset, Send, Sleep, Status, chat_chunk,
                            chat_completion, error_reply, json_reply, make_usage, sse)
 
@@ -94,7 +95,6 @@ def script(spec, body, body_bytes, meter=False):
     :param body: the JSON body the gateway forwarded.
     :param meter: behave like llama.cpp's server (no usage chunk in streams).
     """
-    from chaos_plan import Upstream
     spec = spec or Upstream()
     prompt = max(1, body_bytes // 4)
     usage = _usage(spec, prompt)
