@@ -3,9 +3,11 @@ VENV    ?= .venv
 PY      := $(VENV)/bin/python
 PIP     := $(PY) -m pip
 PYTHON3 ?= python3
+SEED    ?= 1
+DURATION ?= 120
 
 .DEFAULT_GOAL := help
-.PHONY: help install install-model run test lint bench clean
+.PHONY: help install install-model run test lint bench chaos clean
 
 help:  ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -32,6 +34,9 @@ lint:  ## Static checks
 
 bench: install  ## Benchmarks: Kiln against a direct connection and LiteLLM (see bench/)
 	$(PY) bench/run.py $(BENCH_ARGS)
+
+chaos: install  ## Seeded chaos run against two gateway hosts (SEED=1 DURATION=120 seconds)
+	$(PY) tests/chaos.py --seed $(SEED) --duration $(DURATION)
 
 clean:  ## Remove the virtualenv and local state
 	rm -rf $(VENV) .run *.egg-info
