@@ -38,6 +38,7 @@ class Target:
     startup_s: float | None = None
     version: str = ""
     db_name: str = ""  # Postgres database whose connections to count
+    org_keys: list = field(default_factory=list)  # one key per org, for the many-orgs scenario
 
 
 class Service:
