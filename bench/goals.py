@@ -100,7 +100,7 @@ def goals(open_counts, litellm_version: str = "") -> list:
     ]  # fmt: skip
     for n in open_counts:
         rows += [
-            Goal(f"{n:,} streams opened at once: streams not open through the hold",
+            Goal(f"{n:,} streams opened at once: failed (not open through the hold)",
                  f"open_{n}", (KILN,), not_open, 0, False, "count"),
             Goal(f"{n:,} streams opened at once: time to open all vs direct", f"open_{n}",
                  (DIRECT, KILN), raw_ratio(KILN, DIRECT, "open_s"), 3, False),

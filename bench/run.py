@@ -23,9 +23,11 @@ Scenarios (bench/scenarios.py says which targets each runs on):
   (bench/open_streams.py).
 
 No target shares the machine with another one waiting idle: each is started just before its
-runs and stopped right after. Rounds are interleaved (every target in turn within a round, the
-order rotating from round to round) and every value reported is the median over the rounds;
-the bursts of open streams run once per target, after the rounds, on a freshly started target.
+runs and stopped right after. Rounds are interleaved: within a round each block of scenarios
+runs on every target in turn (so the values of a reported ratio are measured seconds apart),
+every other round in reverse order; LiteLLM, slow to start, runs all its scenarios in one visit
+a round, between two blocks. Every value reported is the median over the rounds. The bursts of
+open streams run once per target, after the rounds, each on a freshly started target.
 
 Prints the target table of issue 11 (the ratios, bench/goals.py) and the detailed table. A
 complete run writes bench/RESULTS.md (keeping its hand-written analysis); a quick or partial
@@ -44,13 +46,17 @@ Options:
   --scenarios LIST      comma-separated scenario keys (alias --only; default: all)
   --rounds N            interleaved rounds (default 3)
   --duration S          seconds per wrk run (default 10)
-  --concurrencies LIST  wrk connection counts (default 1,16,64,256)
+  --concurrencies LIST  wrk connection counts (default 1,16,64; 16 and up run on direct,
+                        Kiln and LiteLLM, 64 also on the others)
   --open-streams LIST   stream counts of the bursts (default 5000,10000)
   --results PATH        where to write the Markdown report
+  --fresh-db            provision Kiln's database with the kiln command even when the copy
+                        kept from an earlier run still serves (bench/kiln_target.py)
   --upstream-workers N, --litellm-workers N, --litellm-conn-limit N  see --help
 
 Needs wrk (``bench/install.sh``, which ``make bench`` runs) and Postgres at 127.0.0.1:5432
-(trust auth, user postgres) for Kiln; the database ``kiln_bench`` is dropped and made anew.
+(trust auth, user postgres) for Kiln; the database ``kiln_bench`` is dropped and made anew
+(``kiln_bench_template`` keeps a copy for the next run).
 """
 
 from __future__ import annotations
@@ -123,13 +129,30 @@ class Lab:
         return out
 
 
-def warm_up(target: tg.Target):
-    """Touch every code path once so first-request costs stay out of the numbers."""
+WARM_RUN_S = 2
+WARM_MAX_S = 30
+WARM_STEADY = 0.1  # warm once two runs in a row differ by less than this share
+
+
+def warm_up(target: tg.Target) -> int:
+    """Touch every code path, then load the target until its throughput is steady.
+
+    A proxy that has just started can take seconds to reach its pace (LiteLLM about ten on two
+    cores: lazy imports, caches): short wrk runs at 16 connections go on until two in a row
+    agree within ``WARM_STEADY``, for at most ``WARM_MAX_S``. Returns the runs it took.
+    """
     tg.check_chat(target)
     checked = probe(target.base_url, target.api_key, 1, 4, 5)
     if checked["errors"] or checked["short_streams"] or checked["missing_done"]:
         raise RuntimeError(f"{target.name}: bad stream: {checked}")
-    sc.wrk_run(target, 16, 2)
+    if target.name == sc.DIRECT:
+        return 0
+    rates, t0 = [], time.monotonic()
+    while time.monotonic() - t0 < WARM_MAX_S:
+        rates.append(sc.wrk_run(target, 16, WARM_RUN_S)["rps"])
+        if len(rates) > 1 and abs(rates[-1] - rates[-2]) < WARM_STEADY * max(rates[-2], 1):
+            break
+    return len(rates)
 
 
 def visit(lab: Lab, name: str, todo: list, results: dict, label: str):
@@ -147,18 +170,22 @@ def visit(lab: Lab, name: str, todo: list, results: dict, label: str):
         return
     try:
         try:
-            warm_up(target)
+            warm_runs = warm_up(target)
         except Exception as exc:  # noqa: BLE001 - a target that cannot serve fails this visit
             print(f"[{label}] {name}: FAILED warm-up: {exc}", flush=True)
             for s in todo:
                 record(s, {"errors": 1, "failure": f"warm-up: {str(exc)[:300]}"})
             return
+        startup = "" if target.startup_s is None else f"started in {target.startup_s:.1f} s, "
+        warm = f"warm after {warm_runs} wrk runs" if warm_runs else "ready"
+        print(f"[{label}] {name}: {startup}{warm}", flush=True)
         for s in todo:
             t0 = time.monotonic()
             try:
                 res = s.run(target)
             except Exception as exc:  # noqa: BLE001 - record it, go on
                 res = {"errors": 1, "failure": str(exc)[:300]}
+            res["warm_up_runs"] = warm_runs
             record(s, res)
             print(
                 f"[{label} {s.key}] {name:13s} {summary(s.kind, res)} "
@@ -171,15 +198,35 @@ def visit(lab: Lab, name: str, todo: list, results: dict, label: str):
         (lab.run_dir / "results.json").write_text(json.dumps(results, indent=1))
 
 
+SOLO = (sc.LITELLM,)  # slow to start: one visit a round, with all its scenarios
+
+
+def round_visits(rnd: int, names: list, short: list) -> list:
+    """``[(target, scenarios)]`` of round ``rnd``: block after block, each on every target.
+
+    Every other round runs the targets in reverse order (A B C, C B A, ...): the targets
+    compared with each other stay neighbours, and none always runs first. A solo target has
+    one visit a round, with all its scenarios, between two blocks (never inside one), a
+    boundary further each round.
+    """
+    order = [n for n in names if n not in SOLO]
+    if rnd % 2:
+        order.reverse()
+    blocks = []
+    for block in sorted({s.block for s in short}, key=sc.BLOCKS.index):
+        visits = [(n, [s for s in short if s.block == block and n in s.targets]) for n in order]
+        blocks.append([v for v in visits if v[1]])
+    solos = [(n, [s for s in short if n in s.targets]) for n in names if n in SOLO]
+    blocks.insert(rnd % (len(blocks) + 1), [v for v in solos if v[1]])
+    return [v for block in blocks for v in block]
+
+
 def measure(lab: Lab, plan: sc.Plan, scenarios: list, names: list, results: dict):
     """Interleaved rounds of the short scenarios, then the bursts, one target at a time."""
     short = [s for s in scenarios if s.kind != "open"]
     for rnd in range(plan.rounds):
-        shift = rnd % len(names)
-        for name in names[shift:] + names[:shift]:
-            todo = [s for s in short if name in s.targets]
-            if todo:
-                visit(lab, name, todo, results, f"round {rnd + 1}/{plan.rounds}")
+        for name, todo in round_visits(rnd, names, short):
+            visit(lab, name, todo, results, f"round {rnd + 1}/{plan.rounds}")
     for s in scenarios:
         if s.kind == "open":
             for name in (n for n in names if n in s.targets):
@@ -254,6 +301,9 @@ def parse_args(argv=None):
         help="LiteLLM upstream connection cap per worker (0 keeps its default of 500 per host)",
     )
     p.add_argument("--results", help="Markdown report path (default: see the docstring)")
+    p.add_argument(
+        "--fresh-db", action="store_true", help="provision Kiln's database anew, not from the cache"
+    )
     args = p.parse_args(argv)
     unknown = set(csv(args.targets)) - set(sc.TARGETS)
     if unknown:
@@ -316,15 +366,14 @@ def machine_note(notes: list, when: str):
         print(f"warning: {notes[-1]}", flush=True)
 
 
-def prepare_kiln(names, scenarios, upstream_url: str, run_dir: Path):
-    """Provision Kiln's database when a Kiln target runs; ``None`` otherwise."""
-    kiln_runs = [s for s in scenarios if s.targets & set(names) & set(KILN_TARGETS)]
-    if not kiln_runs:
+def prepare_kiln(args, names, scenarios, upstream_url: str, run_dir: Path):
+    """Make Kiln's database when a Kiln target runs; ``None`` otherwise."""
+    if not any(s.targets & set(names) & set(KILN_TARGETS) for s in scenarios):
         return None
-    many = any(s.key.startswith("orgs_") for s in kiln_runs)
-    kiln = KilnBench(upstream_url, run_dir, sc.ORGS_CONNS if many else 0)
-    print(f"kiln: provisioning a fresh database ({kiln.org_count} extra orgs)", flush=True)
-    print(f"kiln: provisioned in {kiln.provision():.0f} s", flush=True)
+    kiln = KilnBench(upstream_url, run_dir, sc.ORGS_CONNS)
+    t0 = time.monotonic()
+    how = kiln.provision(fresh=args.fresh_db)
+    print(f"kiln: database {how} in {time.monotonic() - t0:.0f} s", flush=True)
     return kiln
 
 
@@ -351,7 +400,7 @@ def main(argv=None):
     print(f"upstream: {upstream.base_url}", flush=True)
     try:
         scenarios, names = select(args, plan, upstream.base_url)
-        kiln = prepare_kiln(names, scenarios, upstream.base_url, run_dir)
+        kiln = prepare_kiln(args, names, scenarios, upstream.base_url, run_dir)
         lab = Lab(args, upstream, run_dir, kiln)
         measure(lab, plan, scenarios, names, results)
     finally:
