@@ -205,7 +205,7 @@ def versions(targets) -> list:
         f"- Kiln checkout: {_cmd(['git', '-C', str(repo), 'describe', '--always', '--dirty'])}",
     ]
     for t in targets:
-        extra = f", startup {t.startup_s:.1f} s" if t.startup_s is not None else ""
+        extra = f", startup {t.startup_s:.1f} s (median)" if t.startup_s is not None else ""
         lines.append(f"- {t.name}: {t.version or 'n/a'}{extra}")
     return lines
 
@@ -232,6 +232,12 @@ def write_results(
         f"- Command: `{command}`",
         f"- Machine: {machine()}",
         "",
+        "## Targets (issue 11)",
+        "",
+        *goal_lines,
+        "",
+        GOALS_NOTE,
+        "",
         "## Versions",
         "",
         *versions(targets),
@@ -239,12 +245,6 @@ def write_results(
         "## Settings",
         "",
         *[f"- {s}" for s in settings],
-        "",
-        "## Targets (issue 11)",
-        "",
-        *goal_lines,
-        "",
-        GOALS_NOTE,
         "",
         "## Results",
         "",

@@ -20,7 +20,7 @@ Scenarios (bench/scenarios.py says which targets each runs on):
   paced at 20 ms and at 1 ms (bench/stream_probe.py);
 * ``open_N``: N slow streams opened at once and held: errors, time to open, RSS per stream,
   Postgres connections, how fast upstream streams stop once clients leave
-  (bench/open_streams.py).
+  (bench/open_streams.py); LiteLLM only up to 5,000 (it takes minutes beyond).
 
 No target shares the machine with another one waiting idle: each is started just before its
 runs and stopped right after. Rounds are interleaved: within a round each block of scenarios
@@ -34,14 +34,16 @@ complete run writes bench/RESULTS.md (keeping its hand-written analysis); a quic
 run writes RESULTS.md in its run directory instead, unless ``--results`` names a file. Logs and
 raw results go to ``$KILN_CACHE_DIR/bench/runs/<time>/`` (default ``~/.cache/kiln``).
 
+    make bench                                # installs wrk and LiteLLM, then a full run
+    make bench BENCH_ARGS=--quick             # the same, short (about 6 min)
     python bench/run.py                       # full run (about 20-25 min on 2 cores)
-    python bench/run.py --quick               # short run to check the harness (~5 min)
+    python bench/run.py --quick               # short run to check the harness
     python bench/run.py --targets kiln,kiln-nometer --scenarios tput_c64,orgs_c64
-    python bench/run.py --targets kiln --scenarios open_5000 --open-streams 5000
+    python bench/run.py --targets kiln --scenarios open_5000,open_10000   # bursts vs direct
 
 Options:
 
-  --quick               1 round, 3 s wrk runs, concurrencies 1,16,64, 1000 open streams
+  --quick               1 round, 3 s wrk runs, fewer streams, one burst of 1000 streams
   --targets LIST        comma-separated targets (default: all; direct is always added)
   --scenarios LIST      comma-separated scenario keys (alias --only; default: all)
   --rounds N            interleaved rounds (default 3)
