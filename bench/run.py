@@ -80,10 +80,10 @@ BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR))
 
 import goals  # noqa: E402 - after the sys.path line
+import kiln_target as kt  # noqa: E402
 import report  # noqa: E402
 import scenarios as sc  # noqa: E402
 import targets as tg  # noqa: E402
-from kiln_target import KilnBench, psql  # noqa: E402
 from stream_probe import probe  # noqa: E402
 
 KILN_TARGETS = (sc.KILN, sc.NOMETER)
@@ -92,7 +92,7 @@ KILN_TARGETS = (sc.KILN, sc.NOMETER)
 class Lab:
     """The upstream, and a way to start any target in front of it."""
 
-    def __init__(self, args, upstream: tg.Target, run_dir: Path, kiln: KilnBench | None):
+    def __init__(self, args, upstream: tg.Target, run_dir: Path, kiln: kt.KilnBench | None):
         self.args, self.upstream, self.run_dir, self.kiln = args, upstream, run_dir, kiln
         self.started = {}  # name -> the last Target started, for the report's versions
         self.startups = {}  # name -> startup seconds of every start
@@ -102,7 +102,7 @@ class Lab:
         if name == sc.DIRECT:
             target = dataclasses.replace(self.upstream, stop=lambda: None)
         elif name in KILN_TARGETS:
-            psql("CHECKPOINT")  # no checkpoint left over from an earlier target's writes
+            kt.psql("CHECKPOINT")  # no checkpoint left over from an earlier target's writes
             target = self.kiln.start(metering=name == sc.KILN)
         elif name == sc.FLOOR:
             gunicorn = Path(sys.executable).parent / "gunicorn"
@@ -262,8 +262,9 @@ def settings_lines(args, plan: sc.Plan, names: list, keys: list) -> list:
     return [
         f"targets: {', '.join(names)}; scenarios: {', '.join(keys)}",
         (
-            f"rounds {plan.rounds} (targets in turn, started before and stopped after their "
-            f"runs); wrk {plan.wrk_seconds} s per run, concurrencies "
+            f"rounds {plan.rounds} (blocks of scenarios on every target in turn, each target "
+            f"started before and stopped after its runs, warmed until its pace stops rising); "
+            f"wrk {plan.wrk_seconds} s per run, concurrencies "
             f"{', '.join(map(str, plan.concurrencies))}; {sc.ORGS_CONNS} orgs at "
             f"{sc.ORGS_CONNS} conns (a wrk thread and a key each)"
         ),
@@ -276,7 +277,7 @@ def settings_lines(args, plan: sc.Plan, names: list, keys: list) -> list:
         (
             f"fake upstream: {args.upstream_workers} process(es); LiteLLM --num_workers "
             f"{args.litellm_workers}, AIOHTTP_CONNECTOR_LIMIT(_PER_HOST) "
-            f"{args.litellm_conn_limit or 'default'}; Kiln gunicorn workers 2; "
+            f"{args.litellm_conn_limit or 'default'}; Kiln gunicorn workers {kt.WORKERS}; "
             f"floor gunicorn workers {tg.FLOOR_WORKERS}"
         ),
     ]
@@ -373,7 +374,7 @@ def prepare_kiln(args, names, scenarios, upstream_url: str, run_dir: Path):
     """Make Kiln's database when a Kiln target runs; ``None`` otherwise."""
     if not any(s.targets & set(names) & set(KILN_TARGETS) for s in scenarios):
         return None
-    kiln = KilnBench(upstream_url, run_dir, sc.ORGS_CONNS)
+    kiln = kt.KilnBench(upstream_url, run_dir, sc.ORGS_CONNS)
     t0 = time.monotonic()
     how = kiln.provision(fresh=args.fresh_db)
     print(f"kiln: database {how} in {time.monotonic() - t0:.0f} s", flush=True)
