@@ -2,8 +2,9 @@
 
 What this module relies on is what an operator relies on (README "Administration" and
 "Configuration"): the ``kiln`` command (``db upgrade``, ``org create NAME --limit N``,
-``credits grant``, ``key create``), gunicorn with ``deploy/gunicorn.conf.py``, ``KILN_*``
-environment variables, and the HTTP API. ``KILN_METERING=false`` turns metering off (no lease,
+``credits grant``, ``key create``), gunicorn with ``deploy/gunicorn.conf.py`` serving
+``gateway.wsgi:app`` as deploy/kiln-gateway.service does, ``KILN_*`` environment variables, and
+the HTTP API. ``KILN_METERING=false`` turns metering off (no lease,
 no hold, no usage event), the switch the benchmarks compare against.
 
 The database holds one org for the one-org scenarios and ``org_count`` more, each with a key
