@@ -32,7 +32,8 @@ lint:  ## Static checks
 	$(VENV)/bin/ruff check gateway tests bench
 	KILN_DATABASE_URL=sqlite:///$$(mktemp -d)/check.db sh -c '$(VENV)/bin/kiln db upgrade && $(VENV)/bin/kiln db check'
 
-bench: install  ## Benchmarks: Kiln against a direct connection and LiteLLM (see bench/)
+bench: install  ## Benchmarks: Kiln against direct, the stack's floor and LiteLLM (BENCH_ARGS=--quick)
+	bench/install.sh
 	$(PY) bench/run.py $(BENCH_ARGS)
 
 chaos: install  ## Seeded chaos run against two gateway hosts (SEED=1 DURATION=120 seconds)

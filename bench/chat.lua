@@ -1,5 +1,7 @@
 -- wrk script: POST a small non-stream chat completion.
--- Env: BENCH_API_KEY (bearer token, optional), BENCH_MODEL (default bench-model).
+-- Env: BENCH_API_KEY (bearer token, optional), BENCH_MODEL (default bench-model),
+--      BENCH_API_KEYS (comma-separated; thread i uses key i, so with -tN -cN every
+--      connection has a key of its own, e.g. one per org).
 local key = os.getenv("BENCH_API_KEY") or ""
 local model = os.getenv("BENCH_MODEL") or "bench-model"
 
@@ -11,6 +13,27 @@ if key ~= "" then
 end
 wrk.body = '{"model":"' .. model .. '","max_tokens":16,' ..
   '"messages":[{"role":"user","content":"Say hello in one short sentence."}]}'
+
+local keys = {}
+for k in string.gmatch(os.getenv("BENCH_API_KEYS") or "", "[^,]+") do
+  keys[#keys + 1] = k
+end
+local threads = 0
+
+-- Runs in the main state once per thread, before that thread's init.
+function setup(thread)
+  threads = threads + 1
+  if #keys > 0 then
+    thread:set("thread_key", keys[(threads - 1) % #keys + 1])
+  end
+end
+
+-- Runs in the thread's own state, before its request is built.
+function init(args)
+  if thread_key then
+    wrk.headers["Authorization"] = "Bearer " .. thread_key
+  end
+end
 
 -- Print one machine-readable line; wrk's own text report comes before it.
 function done(summary, latency, requests)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from httpio import median
+from scenarios import TARGETS
 
 GATEWAYS = ("kiln", "litellm")
 
@@ -121,7 +122,7 @@ def _advantage(metric: Metric, values: dict) -> str:
 def table(scenarios, results: dict, targets) -> list:
     """Markdown table lines: values per target, ratios to direct, Kiln advantage."""
     agg = aggregate(results)
-    names = [t for t in ("direct", "kiln", "kiln-nometer", "litellm") if t in targets]
+    names = [t for t in TARGETS if t in targets]
     gateways = [g for g in GATEWAYS if g in names]
     head = [
         "metric (median of rounds)",
@@ -204,7 +205,7 @@ def versions(targets) -> list:
         f"- Kiln checkout: {_cmd(['git', '-C', str(repo), 'describe', '--always', '--dirty'])}",
     ]
     for t in targets:
-        extra = f", startup {t.startup_s:.1f} s" if t.startup_s is not None else ""
+        extra = f", startup {t.startup_s:.1f} s (median)" if t.startup_s is not None else ""
         lines.append(f"- {t.name}: {t.version or 'n/a'}{extra}")
     return lines
 
@@ -216,6 +217,7 @@ def write_results(
     command: str,
     mode: str,
     targets,
+    goal_lines,
     table_lines,
     metering,
     notes,
@@ -229,6 +231,12 @@ def write_results(
         f"- Mode: {mode}",
         f"- Command: `{command}`",
         f"- Machine: {machine()}",
+        "",
+        "## Targets (issue 11)",
+        "",
+        *goal_lines,
+        "",
+        GOALS_NOTE,
         "",
         "## Versions",
         "",
@@ -255,6 +263,14 @@ def write_results(
         parts += ["## Notes", "", *[f"- {n}" for n in notes], ""]
     path.write_text("\n".join(parts) + kept_analysis(path))
 
+
+GOALS_NOTE = """\
+Ratios of the medians in the table below, measured side by side in this run (in brackets: the
+same ratio round by round). *added* is the time a target adds over direct access to the fake
+upstream. *unmetered* is Kiln with `KILN_METERING=false`; *the stack's floor* is
+bench/floor_app.py, a bare Flask relay on the same gunicorn gevent workers. The many-orgs
+scenario gives each of its wrk connections its own thread and the key of its own org, and is
+compared with Kiln unmetered driven the same way."""
 
 ANALYSIS_MARK = "<!-- analysis: written by hand, kept across runs -->"
 

@@ -1,22 +1,64 @@
 #!/usr/bin/env python3
-"""Benchmark Kiln against direct upstream access and the LiteLLM proxy.
+"""Benchmark Kiln against direct upstream access, the stack's floor and the LiteLLM proxy.
 
-Starts on loopback a fake OpenAI-compatible upstream (bench/fake_openai.py),
-Kiln (see :func:`start_kiln`) and the LiteLLM proxy (own virtualenv, see
-bench/litellm_env.sh), then measures them side by side, interleaved:
+Targets, all in front of one fake OpenAI-compatible upstream (bench/fake_openai.py) on loopback:
 
-* non-stream latency at one connection (wrk latency distribution);
-* throughput and p99 at several concurrencies (wrk);
-* streaming TTFT, inter-chunk gap and total over a 64-chunk stream paced at
-  20 ms and at 1 ms (bench/stream_probe.py);
-* many slow streams held open at once: errors, gateway RSS per stream,
-  Postgres connections (bench/open_streams.py);
-* Kiln with metering on vs off.
+* ``direct``: the fake upstream itself (always measured: every "added" time is over it);
+* ``kiln``: Kiln metered on Postgres (bench/kiln_target.py), one org, or ``ORGS_CONNS`` orgs
+  with a key per connection in the many-orgs scenario;
+* ``kiln-nometer``: the same Kiln with ``KILN_METERING=false``;
+* ``floor``: the stack's floor, a bare Flask relay on the same gunicorn gevent workers
+  (bench/floor_app.py);
+* ``litellm``: the LiteLLM proxy, in its own virtualenv (bench/litellm_env.sh).
 
-Prints a table and writes bench/RESULTS.md.
+Scenarios (bench/scenarios.py says which targets each runs on):
 
-    python bench/run.py            # full run (~15 min on 2 cores)
-    python bench/run.py --quick    # short run to check the harness
+* ``nonstream_c1``: non-stream latency at one connection (wrk latency distribution);
+* ``tput_cN``: throughput and p99 at N connections (wrk), N from ``--concurrencies``;
+* ``orgs_c64``: 64 connections, each with its own wrk thread and the key of its own org;
+* ``stream_20ms``, ``stream_1ms``: TTFT, inter-chunk gap and total over a 64-chunk stream
+  paced at 20 ms and at 1 ms (bench/stream_probe.py);
+* ``open_N``: N slow streams opened at once and held: errors, time to open, RSS per stream,
+  Postgres connections, how fast upstream streams stop once clients leave
+  (bench/open_streams.py); LiteLLM only up to 5,000 (it takes minutes beyond).
+
+No target shares the machine with another one waiting idle: each is started just before its
+runs and stopped right after. Rounds are interleaved: within a round each block of scenarios
+runs on every target in turn (so the values of a reported ratio are measured seconds apart),
+every other round in reverse order; LiteLLM, slow to start, runs all its scenarios in one visit
+a round, between two blocks. Every value reported is the median over the rounds. The bursts of
+open streams run once per target, after the rounds, each on a freshly started target.
+
+Prints the target table of issue 11 (the ratios, bench/goals.py) and the detailed table. A
+complete run writes bench/RESULTS.md (keeping its hand-written analysis); a quick or partial
+run writes RESULTS.md in its run directory instead, unless ``--results`` names a file. Logs and
+raw results go to ``$KILN_CACHE_DIR/bench/runs/<time>/`` (default ``~/.cache/kiln``).
+
+    make bench                                # installs wrk and LiteLLM, then a full run
+    make bench BENCH_ARGS=--quick             # the same, short (about 6 min)
+    python bench/run.py                       # full run (about 20-25 min on 2 cores)
+    python bench/run.py --quick               # short run to check the harness
+    python bench/run.py --targets kiln,kiln-nometer --scenarios tput_c64,orgs_c64
+    python bench/run.py --targets kiln --scenarios open_5000,open_10000   # bursts vs direct
+
+Options:
+
+  --quick               1 round, 3 s wrk runs, fewer streams, one burst of 1000 streams
+  --targets LIST        comma-separated targets (default: all; direct is always added)
+  --scenarios LIST      comma-separated scenario keys (alias --only; default: all)
+  --rounds N            interleaved rounds (default 3)
+  --duration S          seconds per wrk run (default 10)
+  --concurrencies LIST  wrk connection counts (default 1,16,64; 16 and up run on direct,
+                        Kiln and LiteLLM, 64 also on the others)
+  --open-streams LIST   stream counts of the bursts (default 5000,10000)
+  --results PATH        where to write the Markdown report
+  --fresh-db            provision Kiln's database with the kiln command even when the copy
+                        kept from an earlier run still serves (bench/kiln_target.py)
+  --upstream-workers N, --litellm-workers N, --litellm-conn-limit N  see --help
+
+Needs wrk (``bench/install.sh``, which ``make bench`` runs) and Postgres at 127.0.0.1:5432
+(trust auth, user postgres) for Kiln; the database ``kiln_bench`` is dropped and made anew
+(``kiln_bench_template`` keeps a copy for the next run).
 """
 
 from __future__ import annotations
@@ -29,412 +71,169 @@ import os
 import resource
 import shlex
 import shutil
-import subprocess
+import statistics
 import sys
-import tempfile
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 BENCH_DIR = Path(__file__).resolve().parent
-REPO_DIR = BENCH_DIR.parent
 sys.path.insert(0, str(BENCH_DIR))
 
-import report  # noqa: E402 - after the sys.path line
+import goals  # noqa: E402 - after the sys.path line
+import kiln_target as kt  # noqa: E402
+import report  # noqa: E402
+import scenarios as sc  # noqa: E402
 import targets as tg  # noqa: E402
 from stream_probe import probe  # noqa: E402
 
-# ==========================================================================
-# INTEGRATION POINT: Kiln
-# ==========================================================================
-
-KILN_DB = "kiln_bench"
-KILN_DATABASE_URL = f"postgresql+psycopg://postgres@127.0.0.1:5432/{KILN_DB}"
-KILN_WORKERS = 2  # same as LiteLLM's --num_workers
-
-CATALOG_TEMPLATE = """\
-[[models]]
-id = "bench-model"
-context_window = 32768
-max_output_tokens = 8192
-input = ["text"]
-pricing = {{ input = "0.10", cached_input = "0.05", output = "0.30" }}
-backends = [{{ url = "{upstream_url}", model = "bench-model" }}]
-"""
+KILN_TARGETS = (sc.KILN, sc.NOMETER)
 
 
-def write_catalog(upstream_url: str, directory: Path) -> Path:
-    """Write the model catalog TOML Kiln reads through ``KILN_MODELS``."""
-    path = directory / "models.toml"
-    path.write_text(CATALOG_TEMPLATE.format(upstream_url=upstream_url))
-    return path
+class Lab:
+    """The upstream, and a way to start any target in front of it."""
+
+    def __init__(self, args, upstream: tg.Target, run_dir: Path, kiln: kt.KilnBench | None):
+        self.args, self.upstream, self.run_dir, self.kiln = args, upstream, run_dir, kiln
+        self.started = {}  # name -> the last Target started, for the report's versions
+        self.startups = {}  # name -> startup seconds of every start
+
+    def start(self, name: str) -> tg.Target:
+        """Start ``name`` (direct is the upstream, always running)."""
+        if name == sc.DIRECT:
+            target = dataclasses.replace(self.upstream, stop=lambda: None)
+        elif name in KILN_TARGETS:
+            kt.psql("CHECKPOINT")  # no checkpoint left over from an earlier target's writes
+            target = self.kiln.start(metering=name == sc.KILN)
+        elif name == sc.FLOOR:
+            gunicorn = Path(sys.executable).parent / "gunicorn"
+            target = tg.start_floor(self.upstream.base_url, self.run_dir, gunicorn)
+        elif name == sc.LITELLM:
+            target = tg.start_litellm(
+                self.upstream.base_url,
+                self.run_dir,
+                workers=self.args.litellm_workers,
+                conn_limit=self.args.litellm_conn_limit,
+            )
+        else:
+            raise ValueError(f"unknown target {name}")
+        self.started[name] = target
+        if target.startup_s is not None:
+            self.startups.setdefault(name, []).append(target.startup_s)
+        return target
+
+    def report_targets(self) -> list:
+        """The targets as the report lists them: last version, median startup."""
+        out = []
+        for name, target in sorted(self.started.items(), key=lambda kv: sc.TARGETS.index(kv[0])):
+            times = self.startups.get(name)
+            startup = statistics.median(times) if times else None
+            out.append(dataclasses.replace(target, startup_s=startup))
+        return out
 
 
-def start_kiln(upstream_url: str, metering: bool = True, workdir: Path | None = None):
-    """Start Kiln in front of ``upstream_url``.
+WARM_RUN_S = 2
+WARM_MAX_S = 30
+WARM_GAIN = 1.1  # still warming while a run beats every earlier one by this factor
 
-    Returns ``(base_url, api_key, pids, stop)``: base URL such as
-    ``http://127.0.0.1:PORT/v1``, a bearer key with credit, the gunicorn
-    master PID (workers are found as its descendants), and a no-argument
-    callable that shuts everything down.  ``workdir`` holds the run's
-    configs and logs.
 
-    See :func:`launch_kiln`: a fresh ``kiln_bench`` database provisioned with the ``kiln``
-    CLI (one org with ample credit and no practical in-flight cap), then gunicorn from
-    ``deploy/gunicorn.conf.py`` with ``KILN_METERING`` set from ``metering``.
+def warm_up(target: tg.Target) -> int:
+    """Touch every code path, then load the target until its throughput stops rising.
+
+    A proxy that has just started can take seconds to reach its pace (LiteLLM about ten on two
+    cores, three times slower at first): short wrk runs at 16 connections go on while each
+    beats the best before it by ``WARM_GAIN``, for at most ``WARM_MAX_S``. A slower run ends
+    it: on a shared machine that is noise, not warming. Returns the runs it took.
     """
-    return launch_kiln(upstream_url, metering, workdir)
-
-
-def kiln_env(upstream_url: str, workdir: Path, metering: bool) -> dict:
-    """Environment for the kiln CLI and gunicorn."""
-    return dict(
-        os.environ,
-        KILN_DATABASE_URL=KILN_DATABASE_URL,
-        KILN_MODELS=str(write_catalog(upstream_url, workdir)),
-        KILN_METERING="true" if metering else "false",
-        KILN_WORKERS=str(KILN_WORKERS),
-    )
-
-
-def kiln_cli(env: dict, *args: str) -> str:
-    """Run ``kiln ARGS``; return its stdout."""
-    kiln = Path(sys.executable).parent / "kiln"
-    out = subprocess.run(
-        [str(kiln), *args], env=env, cwd=REPO_DIR, capture_output=True, text=True, check=False
-    )
-    if out.returncode:
-        raise RuntimeError(f"kiln {' '.join(args)} failed: {out.stderr[-800:]}")
-    return out.stdout
-
-
-_KILN_KEY = {}  # the database is provisioned once per run, shared by every Kiln
-
-
-def provision_kiln(env: dict) -> str:
-    """Fresh ``kiln_bench`` database with one org, ample credit and no in-flight cap."""
-    if "key" not in _KILN_KEY:
-        admin = KILN_DATABASE_URL.replace("+psycopg", "").rsplit("/", 1)[0] + "/postgres"
-        for sql in (
-            f"DROP DATABASE IF EXISTS {KILN_DB} WITH (FORCE)",
-            f"CREATE DATABASE {KILN_DB}",
-        ):
-            subprocess.run(
-                ["psql", admin, "-X", "-q", "-c", sql],
-                check=True,
-                env=dict(os.environ, PGOPTIONS="--client-min-messages=warning"),
-            )
-        kiln_cli(env, "db", "upgrade")
-        kiln_cli(env, "org", "create", "bench", "--limit", "1000000")
-        kiln_cli(env, "credits", "grant", "bench", "1000000")
-        _KILN_KEY["key"] = kiln_cli(env, "key", "create", "bench").strip().splitlines()[-1]
-    return _KILN_KEY["key"]
-
-
-def launch_kiln(upstream_url: str, metering: bool = True, workdir: Path | None = None):
-    """Provision and start Kiln under gunicorn; see :func:`start_kiln`."""
-    workdir = workdir or Path(tempfile.mkdtemp(prefix="kiln-bench-"))
-    env = kiln_env(upstream_url, workdir, metering)
-    key = provision_kiln(env)
-    port = tg.free_port()
-    argv = [
-        str(Path(sys.executable).parent / "gunicorn"),
-        "-c", "deploy/gunicorn.conf.py",
-        "--bind", f"127.0.0.1:{port}",
-        "--workers", str(KILN_WORKERS),
-        "gateway.wsgi:app",
-    ]  # fmt: skip
-    svc = tg.Service("kiln" if metering else "kiln-nometer", argv, workdir, env=env, cwd=REPO_DIR)
-    try:
-        tg.wait_http(
-            f"http://127.0.0.1:{port}/v1/models",
-            svc,
-            120,
-            headers={"Authorization": f"Bearer {key}"},
-        )
-    except RuntimeError:
-        svc.stop()
-        raise
-    return f"http://127.0.0.1:{port}/v1", key, [svc.pid], svc.stop
-
-
-# ==========================================================================
-# Scenarios
-# ==========================================================================
-
-
-@dataclass
-class Scenario:
-    """One measurement, run once per target per round."""
-
-    key: str
-    title: str
-    kind: str  # "wrk" | "stream" | "open"
-    run: Callable[[tg.Target], dict]
-    rounds: int
-    with_nometer: bool = False  # also measure Kiln with metering off
-
-
-@dataclass
-class Plan:
-    """Sizes and durations for one run."""
-
-    rounds: int = 3
-    wrk_seconds: int = 10
-    concurrencies: list = field(default_factory=lambda: [1, 16, 64, 256])
-    streams_20ms: int = 10
-    streams_1ms: int = 50
-    open_counts: list = field(default_factory=lambda: [1000, 5000])
-    open_hold_s: float = 10.0
-    open_gap_ms: float = 5000.0
-    open_rounds: int = 1
-
-
-QUICK = Plan(
-    rounds=1,
-    wrk_seconds=3,
-    streams_20ms=3,
-    streams_1ms=10,
-    open_counts=[1000],
-    open_hold_s=3.0,
-)
-
-
-def wrk_run(target: tg.Target, connections: int, seconds: int) -> dict:
-    """Non-stream chat completions with wrk; latencies in ms."""
-    threads = 1 if connections == 1 else 2
-    argv = [
-        "wrk", f"-t{threads}", f"-c{connections}", f"-d{seconds}s", "--latency",
-        "--timeout", "30s", "-s", str(BENCH_DIR / "chat.lua"),
-        f"{target.base_url}/chat/completions",
-    ]  # fmt: skip
-    env = dict(os.environ, BENCH_API_KEY=target.api_key)
-    out = subprocess.run(
-        argv, capture_output=True, text=True, env=env, check=False, timeout=seconds + 60
-    )
-    line = next((ln for ln in out.stdout.splitlines() if ln.startswith("WRK_JSON ")), None)
-    if line is None:
-        raise RuntimeError(f"wrk failed: {out.stdout[-500:]} {out.stderr[-500:]}")
-    raw = json.loads(line.removeprefix("WRK_JSON "))
-    errors = sum(
-        raw[k] for k in ("connect_errors", "read_errors", "write_errors", "timeouts", "non2xx")
-    )
-    done = raw["requests"] > 0  # with no reply in time wrk reports zero latencies
-    return {
-        "rps": raw["rps"],
-        "p50_ms": raw["p50_us"] / 1000 if done else None,
-        "p99_ms": raw["p99_us"] / 1000 if done else None,
-        "requests": raw["requests"],
-        "errors": errors if done else max(errors, 1),
-    }
-
-
-def stream_run(target: tg.Target, streams: int, gap_ms: float) -> dict:
-    """Sequential 64-chunk streams, timed per chunk."""
-    return probe(target.base_url, target.api_key, streams, 64, gap_ms)
-
-
-DRAIN_TIMEOUT_S = 60
-
-
-def open_run(target: tg.Target, count: int, plan: Plan, upstream_url: str) -> dict:
-    """Hold ``count`` slow streams at once via bench/open_streams.py."""
-    ramp_s = 10 + count / 50
-    argv = [
-        sys.executable, str(BENCH_DIR / "open_streams.py"),
-        "--base-url", target.base_url, "--api-key", target.api_key,
-        "--streams", str(count), "--gap-ms", str(plan.open_gap_ms),
-        "--ramp-s", str(ramp_s), "--hold-s", str(plan.open_hold_s),
-        "--upstream-url", upstream_url, "--drain-timeout-s", str(DRAIN_TIMEOUT_S),
-    ]  # fmt: skip
-    if target.name != "direct":
-        argv += ["--pids", ",".join(map(str, target.pids))]
-    if target.db_name:
-        argv += ["--pg-db", target.db_name]
-    out = subprocess.run(
-        argv,
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=ramp_s + plan.open_hold_s + 240,
-    )
-    if not out.stdout.strip():
-        raise RuntimeError(f"open_streams failed: {out.stderr[-800:]}")
-    time.sleep(2)  # let the target settle before the next run
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
-def build_scenarios(plan: Plan, upstream_url: str) -> list:
-    r, secs = plan.rounds, plan.wrk_seconds
-    scs = [
-        Scenario(
-            "nonstream_c1",
-            "non-stream, 1 conn",
-            "wrk",
-            lambda t: wrk_run(t, 1, secs),
-            r,
-            with_nometer=True,
-        )
-    ]
-    for c in plan.concurrencies:
-        if c == 1:
-            continue  # the latency scenario above is concurrency 1
-        scs.append(
-            Scenario(
-                f"tput_c{c}",
-                f"non-stream, {c} conns",
-                "wrk",
-                lambda t, c=c: wrk_run(t, c, secs),
-                r,
-                with_nometer=c == 64,
-            )
-        )
-    scs += [
-        Scenario(
-            "stream_20ms",
-            "stream 64×20 ms",
-            "stream",
-            lambda t: stream_run(t, plan.streams_20ms, 20),
-            r,
-            with_nometer=True,
-        ),
-        Scenario(
-            "stream_1ms",
-            "stream 64×1 ms",
-            "stream",
-            lambda t: stream_run(t, plan.streams_1ms, 1),
-            r,
-        ),
-    ]
-    for k in plan.open_counts:
-        scs.append(
-            Scenario(
-                f"open_{k}",
-                f"{k} open streams",
-                "open",
-                lambda t, k=k: open_run(t, k, plan, upstream_url),
-                plan.open_rounds,
-            )
-        )
-    return scs
-
-
-# ==========================================================================
-# Orchestration
-# ==========================================================================
-
-
-def raise_nofile():
-    """Let this process and every child hold many sockets."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    want = hard if hard != resource.RLIM_INFINITY else 65536
-    if soft < want:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
-    return want
-
-
-def warm_up(target: tg.Target):
-    """Touch every code path once so first-request costs stay out of the numbers."""
     tg.check_chat(target)
     checked = probe(target.base_url, target.api_key, 1, 4, 5)
     if checked["errors"] or checked["short_streams"] or checked["missing_done"]:
         raise RuntimeError(f"{target.name}: bad stream: {checked}")
-    wrk_run(target, 16, 2)
-    return checked
+    if target.name == sc.DIRECT:
+        return 0
+    rates, t0 = [], time.monotonic()
+    while time.monotonic() - t0 < WARM_MAX_S:
+        rates.append(sc.wrk_run(target, 16, WARM_RUN_S)["rps"])
+        if len(rates) > 1 and rates[-1] < WARM_GAIN * max(rates[:-1]):
+            break
+    return len(rates)
 
 
-def start_targets(args, workdir: Path, notes: list):
-    """Start the upstream, Kiln (when wired) and LiteLLM; return (upstream, targets)."""
-    upstream, _ = tg.start_upstream(workdir, workers=args.upstream_workers)
-    print(f"upstream: {upstream.base_url}", flush=True)
-    started = [upstream]
-    wanted = set(args.targets.split(","))
+def visit(lab: Lab, name: str, todo: list, results: dict, label: str):
+    """Start ``name``, run the scenarios ``todo`` on it, stop it."""
+
+    def record(s, res):
+        results.setdefault(s.key, {}).setdefault(name, []).append(res)
+
     try:
-        if "kiln" in wanted:
-            started += start_kiln_targets(upstream.base_url, args.metering_compare, workdir, notes)
-        if "litellm" in wanted:
-            lite = tg.start_litellm(
-                upstream.base_url,
-                workdir,
-                workers=args.litellm_workers,
-                conn_limit=args.litellm_conn_limit,
-            )
+        target = lab.start(name)
+    except Exception as exc:  # noqa: BLE001 - record it, go on with the other targets
+        print(f"[{label}] {name}: FAILED to start: {exc}", flush=True)
+        for s in todo:
+            record(s, {"errors": 1, "failure": f"start: {str(exc)[:300]}"})
+        return
+    try:
+        try:
+            warm_runs = warm_up(target)
+        except Exception as exc:  # noqa: BLE001 - a target that cannot serve fails this visit
+            print(f"[{label}] {name}: FAILED warm-up: {exc}", flush=True)
+            for s in todo:
+                record(s, {"errors": 1, "failure": f"warm-up: {str(exc)[:300]}"})
+            return
+        startup = "" if target.startup_s is None else f"started in {target.startup_s:.1f} s, "
+        warm = f"warm after {warm_runs} wrk runs" if warm_runs else "ready"
+        print(f"[{label}] {name}: {startup}{warm}", flush=True)
+        for s in todo:
+            t0 = time.monotonic()
+            try:
+                res = s.run(target)
+            except Exception as exc:  # noqa: BLE001 - record it, go on
+                res = {"errors": 1, "failure": str(exc)[:300]}
+            res["warm_up_runs"] = warm_runs
+            record(s, res)
             print(
-                f"litellm {lite.version}: {lite.base_url} (startup {lite.startup_s:.1f} s)",
+                f"[{label} {s.key}] {name:13s} {summary(s.kind, res)} "
+                f"({time.monotonic() - t0:.0f}s)",
                 flush=True,
             )
-            started.append(lite)
-    except BaseException:
-        stop_all(started)
-        raise
-    return upstream, [t for t in started if t.name in wanted or t.name == "kiln-nometer"]
+    finally:
+        target.stop()
+        time.sleep(1)  # let the stopped processes go before the next target starts
+        (lab.run_dir / "results.json").write_text(json.dumps(results, indent=1))
 
 
-def start_kiln_targets(upstream_url: str, compare_metering: bool, workdir: Path, notes) -> list:
-    """Kiln (and Kiln without metering), or nothing while not wired."""
-    out = []
-    for name, metering in (("kiln", True), ("kiln-nometer", False)):
-        if name == "kiln-nometer" and not compare_metering:
-            break
-        try:
-            t0 = time.monotonic()
-            base_url, key, pids, stop = start_kiln(upstream_url, metering, workdir)
-        except NotImplementedError as exc:
-            notes.append(f"Kiln not measured: {exc}")
-            print(f"kiln: skipped ({exc})", flush=True)
-            return out
-        out.append(
-            tg.Target(
-                name,
-                base_url,
-                key,
-                list(pids),
-                stop,
-                startup_s=time.monotonic() - t0,
-                version=kiln_version(),
-                db_name=KILN_DB,
-            )
-        )
-        print(f"{name}: {base_url}", flush=True)
-    return out
+SOLO = (sc.LITELLM,)  # slow to start: one visit a round, with all its scenarios
 
 
-def kiln_version() -> str:
-    out = subprocess.run(
-        ["git", "-C", str(REPO_DIR), "describe", "--always", "--dirty"],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    return out.stdout.strip() or "unknown"
+def round_visits(rnd: int, names: list, short: list) -> list:
+    """``[(target, scenarios)]`` of round ``rnd``: block after block, each on every target.
+
+    Every other round runs the targets in reverse order (A B C, C B A, ...): the targets
+    compared with each other stay neighbours, and none always runs first. A solo target has
+    one visit a round, with all its scenarios, between two blocks (never inside one), a
+    boundary further each round.
+    """
+    order = [n for n in names if n not in SOLO]
+    if rnd % 2:
+        order.reverse()
+    blocks = []
+    for block in sorted({s.block for s in short}, key=sc.BLOCKS.index):
+        visits = [(n, [s for s in short if s.block == block and n in s.targets]) for n in order]
+        blocks.append([v for v in visits if v[1]])
+    solos = [(n, [s for s in short if n in s.targets]) for n in names if n in SOLO]
+    blocks.insert(rnd % (len(blocks) + 1), [v for v in solos if v[1]])
+    return [v for block in blocks for v in block]
 
 
-def stop_all(targets):
-    for t in reversed(targets):
-        try:
-            t.stop()
-        except Exception as exc:  # noqa: BLE001 - keep stopping the rest
-            print(f"stopping {t.name}: {exc}", file=sys.stderr)
-
-
-def measure(scenarios, targets, results: dict):
-    """Run every scenario, interleaving the targets round by round."""
-    for sc in scenarios:
-        group = [t for t in targets if t.name != "kiln-nometer" or sc.with_nometer]
-        for rnd in range(sc.rounds):
-            for t in group:
-                t0 = time.monotonic()
-                try:
-                    res = sc.run(t)
-                except Exception as exc:  # noqa: BLE001 - record it, go on
-                    res = {"errors": 1, "failure": str(exc)[:300]}
-                results.setdefault(sc.key, {}).setdefault(t.name, []).append(res)
-                print(
-                    f"[{sc.key} round {rnd + 1}/{sc.rounds}] {t.name:13s} "
-                    f"{summary(sc.kind, res)} ({time.monotonic() - t0:.0f}s)",
-                    flush=True,
-                )
+def measure(lab: Lab, plan: sc.Plan, scenarios: list, names: list, results: dict):
+    """Interleaved rounds of the short scenarios, then the bursts, one target at a time."""
+    short = [s for s in scenarios if s.kind != "open"]
+    for rnd in range(plan.rounds):
+        for name, todo in round_visits(rnd, names, short):
+            visit(lab, name, todo, results, f"round {rnd + 1}/{plan.rounds}")
+    for s in scenarios:
+        if s.kind == "open":
+            for name in (n for n in names if n in s.targets):
+                visit(lab, name, [s], results, "burst")
 
 
 def summary(kind: str, res: dict) -> str:
@@ -459,34 +258,44 @@ def summary(kind: str, res: dict) -> str:
     )
 
 
-def settings_lines(args, plan: Plan) -> list:
+def settings_lines(args, plan: sc.Plan, names: list, keys: list) -> list:
     return [
+        f"targets: {', '.join(names)}; scenarios: {', '.join(keys)}",
         (
-            f"rounds {plan.rounds}; wrk {plan.wrk_seconds} s per run, concurrencies "
-            f"{', '.join(map(str, plan.concurrencies))}"
+            f"rounds {plan.rounds} (blocks of scenarios on every target in turn, each target "
+            f"started before and stopped after its runs, warmed until its pace stops rising); "
+            f"wrk {plan.wrk_seconds} s per run, concurrencies "
+            f"{', '.join(map(str, plan.concurrencies))}; {sc.ORGS_CONNS} orgs at "
+            f"{sc.ORGS_CONNS} conns (a wrk thread and a key each)"
         ),
         f"streams: {plan.streams_20ms} × 64 chunks at 20 ms, {plan.streams_1ms} × 64 at 1 ms",
         (
             f"open streams: {', '.join(map(str, plan.open_counts))} at once, chunk every "
-            f"{plan.open_gap_ms:g} ms, held {plan.open_hold_s:g} s, "
-            "RSS = gateway master + workers"
+            f"{plan.open_gap_ms:g} ms, held {plan.open_hold_s:g} s, once per target; "
+            f"LiteLLM up to {sc.LITELLM_OPEN_MAX}; RSS = gateway master + workers"
         ),
         (
             f"fake upstream: {args.upstream_workers} process(es); LiteLLM --num_workers "
             f"{args.litellm_workers}, AIOHTTP_CONNECTOR_LIMIT(_PER_HOST) "
-            f"{args.litellm_conn_limit or 'default'}; Kiln gunicorn workers {KILN_WORKERS}"
+            f"{args.litellm_conn_limit or 'default'}; Kiln gunicorn workers {kt.WORKERS}; "
+            f"floor gunicorn workers {tg.FLOOR_WORKERS}"
         ),
     ]
+
+
+def csv(text: str) -> list:
+    return [x.strip() for x in text.split(",") if x.strip()]
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="short run to check the harness")
-    p.add_argument("--rounds", type=int, help="interleaved rounds per scenario")
+    p.add_argument("--targets", default=",".join(sc.TARGETS), help="comma-separated targets")
+    p.add_argument("--scenarios", "--only", dest="scenarios", help="comma-separated scenarios")
+    p.add_argument("--rounds", type=int, help="interleaved rounds")
     p.add_argument("--duration", type=int, help="seconds per wrk run")
-    p.add_argument("--open-streams", help="comma-separated counts, e.g. 1000,5000")
-    p.add_argument("--targets", default="direct,kiln,litellm")
-    p.add_argument("--no-metering-compare", dest="metering_compare", action="store_false")
+    p.add_argument("--concurrencies", help="comma-separated wrk connection counts")
+    p.add_argument("--open-streams", help="comma-separated burst sizes, e.g. 5000,10000")
     p.add_argument("--upstream-workers", type=int, default=1)
     p.add_argument("--litellm-workers", type=int, default=2)
     p.add_argument(
@@ -495,9 +304,51 @@ def parse_args(argv=None):
         default=20000,
         help="LiteLLM upstream connection cap per worker (0 keeps its default of 500 per host)",
     )
-    p.add_argument("--only", help="comma-separated scenario keys to run")
-    p.add_argument("--results", default=str(BENCH_DIR / "RESULTS.md"))
-    return p.parse_args(argv)
+    p.add_argument("--results", help="Markdown report path (default: see the docstring)")
+    p.add_argument(
+        "--fresh-db", action="store_true", help="provision Kiln's database anew, not from the cache"
+    )
+    args = p.parse_args(argv)
+    unknown = set(csv(args.targets)) - set(sc.TARGETS)
+    if unknown:
+        p.error(f"unknown targets {sorted(unknown)}; known: {', '.join(sc.TARGETS)}")
+    return args
+
+
+def make_plan(args) -> sc.Plan:
+    plan = dataclasses.replace(sc.QUICK if args.quick else sc.Plan())
+    if args.rounds:
+        plan.rounds = args.rounds
+    if args.duration:
+        plan.wrk_seconds = args.duration
+    if args.concurrencies:
+        plan.concurrencies = [int(x) for x in csv(args.concurrencies)]
+    if args.open_streams is not None:
+        plan.open_counts = [int(x) for x in csv(args.open_streams)]
+    return plan
+
+
+def select(args, plan: sc.Plan, upstream_url: str):
+    """``(scenarios, target names)`` this run measures."""
+    wanted = set(csv(args.targets)) | {sc.DIRECT}
+    names = [t for t in sc.TARGETS if t in wanted]
+    scenarios = sc.build(plan, upstream_url)
+    if args.scenarios:
+        keys = set(csv(args.scenarios))
+        unknown = keys - {s.key for s in scenarios}
+        if unknown:
+            sys.exit(f"unknown scenarios {sorted(unknown)}: {', '.join(s.key for s in scenarios)}")
+        scenarios = [s for s in scenarios if s.key in keys]
+    scenarios = [s for s in scenarios if s.targets & set(names)]
+    return scenarios, names
+
+
+def raise_nofile():
+    """Let this process and every child hold many sockets."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = hard if hard != resource.RLIM_INFINITY else 65536
+    if soft < want:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
 
 
 def make_run_dir() -> Path:
@@ -508,63 +359,85 @@ def make_run_dir() -> Path:
     return run_dir
 
 
-def make_plan(args) -> Plan:
-    plan = dataclasses.replace(QUICK if args.quick else Plan())
-    if args.rounds:
-        plan.rounds = args.rounds
-    if args.duration:
-        plan.wrk_seconds = args.duration
-    if args.open_streams is not None:
-        plan.open_counts = [int(x) for x in args.open_streams.split(",") if x]
-    return plan
+def machine_note(notes: list, when: str):
+    """Note a machine that is busy with something else: absolute numbers get noisy."""
+    load = os.getloadavg()[0]
+    if load > (os.cpu_count() or 1) / 2:
+        notes.append(
+            f"machine not idle {when} (load {load:.1f} on {os.cpu_count()} cores): "
+            "absolute numbers are noisy; ratios measured side by side hold better"
+        )
+        print(f"warning: {notes[-1]}", flush=True)
+
+
+def prepare_kiln(args, names, scenarios, upstream_url: str, run_dir: Path):
+    """Make Kiln's database when a Kiln target runs; ``None`` otherwise."""
+    if not any(s.targets & set(names) & set(KILN_TARGETS) for s in scenarios):
+        return None
+    kiln = kt.KilnBench(upstream_url, run_dir, sc.ORGS_CONNS)
+    t0 = time.monotonic()
+    how = kiln.provision(fresh=args.fresh_db)
+    print(f"kiln: database {how} in {time.monotonic() - t0:.0f} s", flush=True)
+    return kiln
+
+
+def complete_run(args) -> bool:
+    """Every target and scenario at full size: the run bench/RESULTS.md records."""
+    return not args.quick and not args.scenarios and set(csv(args.targets)) >= set(sc.TARGETS)
 
 
 def main(argv=None):
     args = parse_args(argv)
     if not shutil.which("wrk"):
-        sys.exit("wrk not found: apt-get install -y wrk")
+        sys.exit("wrk not found: run bench/install.sh (make bench does) or apt-get install wrk")
     plan = make_plan(args)
     raise_nofile()
     started = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    t_start = time.monotonic()
     run_dir = make_run_dir()
     print(f"logs and raw results: {run_dir}", flush=True)
     notes, results = [], {}
-    load = os.getloadavg()[0]
-    if load > (os.cpu_count() or 1) / 2:
-        notes.append(
-            f"machine not idle at start (load {load:.1f} on {os.cpu_count()} cores): "
-            "absolute numbers are noisy"
-        )
-        print(f"warning: {notes[-1]}", flush=True)
-    upstream, targets = start_targets(args, run_dir, notes)
-    scenarios = build_scenarios(plan, upstream.base_url)
-    if args.only:
-        scenarios = [s for s in scenarios if s.key in set(args.only.split(","))]
+    machine_note(notes, "at start")
+    if sc.LITELLM in csv(args.targets):
+        tg.litellm_bin()  # install it now, not between two measurements
+    upstream, upstream_svc = tg.start_upstream(run_dir, workers=args.upstream_workers)
+    print(f"upstream: {upstream.base_url}", flush=True)
     try:
-        for t in targets:
-            warm_up(t)
-        measure(scenarios, targets, results)
+        scenarios, names = select(args, plan, upstream.base_url)
+        kiln = prepare_kiln(args, names, scenarios, upstream.base_url, run_dir)
+        lab = Lab(args, upstream, run_dir, kiln)
+        measure(lab, plan, scenarios, names, results)
     finally:
-        stop_all([upstream] + [t for t in targets if t is not upstream])
+        upstream_svc.stop()
         (run_dir / "results.json").write_text(json.dumps(results, indent=1))
-    lines = report.table(scenarios, results, [t.name for t in targets])
+    machine_note(notes, "at the end")
+    elapsed_min = (time.monotonic() - t_start) / 60
+    lite = lab.started.get(sc.LITELLM)
+    goal_lines = goals.table(results, plan.open_counts, lite.version if lite else "")
+    lines = report.table(scenarios, results, names)
     metering = report.metering_lines(results)
+    print("\nTargets (issue 11):\n" + "\n".join(goal_lines))
     print("\n" + "\n".join(lines))
     if metering:
         print("\nKiln metering on vs off:\n" + "\n".join(metering))
     command = "python bench/run.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
+    path = Path(args.results) if args.results else None
+    if path is None:
+        path = BENCH_DIR / "RESULTS.md" if complete_run(args) else run_dir / "RESULTS.md"
     report.write_results(
-        Path(args.results),
+        path,
         started=started,
         command=command.strip(),
-        mode="quick" if args.quick else "full",
-        targets=targets,
+        mode="quick" if args.quick else "full" if complete_run(args) else "partial",
+        targets=lab.report_targets(),
+        goal_lines=goal_lines,
         table_lines=lines,
         metering=metering,
         notes=notes,
-        settings=settings_lines(args, plan),
+        settings=settings_lines(args, plan, names, [s.key for s in scenarios])
+        + [f"wall time {elapsed_min:.1f} min"],
     )
-    print(f"\nwrote {args.results}")
+    print(f"\nwrote {path} ({elapsed_min:.1f} min)")
 
 
 if __name__ == "__main__":

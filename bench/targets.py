@@ -38,6 +38,7 @@ class Target:
     startup_s: float | None = None
     version: str = ""
     db_name: str = ""  # Postgres database whose connections to count
+    org_keys: list = field(default_factory=list)  # one key per org, for the many-orgs scenario
 
 
 class Service:
@@ -46,7 +47,7 @@ class Service:
     def __init__(self, name: str, argv, logdir: Path, env=None, cwd=None):
         self.name = name
         self.log_path = logdir / f"{name}.log"
-        self.log = open(self.log_path, "wb")  # noqa: SIM115 - lives as long as the process
+        self.log = open(self.log_path, "ab")  # noqa: SIM115 - lives as long as the process
         self.proc = subprocess.Popen(
             argv,
             stdout=subprocess.PIPE if name == "upstream" else self.log,
@@ -225,6 +226,43 @@ def start_litellm(
         svc.stop,
         startup_s=startup,
         version=litellm_version(bindir),
+    )
+
+
+# --------------------------------------------------------------------------
+# The stack's floor
+# --------------------------------------------------------------------------
+
+FLOOR_WORKERS = 2
+
+
+def start_floor(upstream_url: str, workdir: Path, gunicorn: Path, timeout: float = 60) -> Target:
+    """Start bench/floor_app.py under gunicorn's gevent worker in front of ``upstream_url``.
+
+    Same worker class, worker count, connections per worker and keep-alive as Kiln's
+    deploy/gunicorn.conf.py, so that the two differ only in the app.
+    """
+    port = free_port()
+    argv = [
+        str(gunicorn), "--worker-class", "gevent", "--workers", str(FLOOR_WORKERS),
+        "--worker-connections", "10000", "--keep-alive", "5", "--no-control-socket",
+        "--bind", f"127.0.0.1:{port}", "--chdir", str(BENCH_DIR), "floor_app:create_app()",
+    ]  # fmt: skip
+    env = dict(os.environ, FLOOR_UPSTREAM_URL=upstream_url)
+    svc = Service("floor", argv, workdir, env=env)
+    try:
+        startup = wait_http(f"http://127.0.0.1:{port}/health", svc, timeout)
+    except RuntimeError:
+        svc.stop()
+        raise
+    return Target(
+        "floor",
+        f"http://127.0.0.1:{port}/v1",
+        "",
+        [svc.pid],
+        svc.stop,
+        startup_s=startup,
+        version=f"bench/floor_app.py, gunicorn gevent × {FLOOR_WORKERS}",
     )
 
 

@@ -1,0 +1,217 @@
+"""What bench/run.py measures: the scenarios, which targets each runs on, and the run's sizes.
+
+A scenario is one measurement of one target: a wrk run (non-stream requests at a fixed number
+of connections), a stream probe (sequential paced streams, bench/stream_probe.py) or a burst
+of streams held open at once (bench/open_streams.py). Each runs only on the targets that one
+of the reported comparisons needs, so that a full run stays short.
+
+Scenarios come in blocks. Within a round, bench/run.py runs a block on every target in turn
+before the next block, so that two values whose ratio is reported (Kiln metered and unmetered,
+Kiln unmetered and the floor) are measured a few seconds apart, not minutes: on a shared
+machine the background load drifts on that scale.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import targets as tg
+from stream_probe import probe
+
+BENCH_DIR = Path(__file__).resolve().parent
+
+DIRECT, KILN, NOMETER, FLOOR, LITELLM = "direct", "kiln", "kiln-nometer", "floor", "litellm"
+TARGETS = (DIRECT, KILN, NOMETER, FLOOR, LITELLM)  # the order of the table's columns
+ORGS_CONNS = 64  # the many-orgs scenario: this many connections, one org (and key) each
+BLOCKS = ("latency", f"c{ORGS_CONNS}", "more", "burst")  # the order a round runs them in
+LITELLM_OPEN_MAX = 5000  # LiteLLM takes minutes to open more streams; its column stops here
+
+
+@dataclass
+class Scenario:
+    """One measurement, run once per target per round (bursts: once per target)."""
+
+    key: str
+    title: str
+    kind: str  # "wrk" | "stream" | "open"
+    run: Callable[[tg.Target], dict]
+    targets: frozenset  # the targets it runs on
+    block: str  # scenarios whose values are compared run in one block, target after target
+
+
+@dataclass
+class Plan:
+    """Sizes and durations for one run."""
+
+    rounds: int = 3
+    wrk_seconds: int = 10
+    concurrencies: list = field(default_factory=lambda: [1, 16, 64])
+    streams_20ms: int = 10
+    streams_1ms: int = 50
+    open_counts: list = field(default_factory=lambda: [5000, 10000])
+    open_hold_s: float = 10.0
+    open_gap_ms: float = 5000.0
+
+
+QUICK = Plan(
+    rounds=1,
+    wrk_seconds=3,
+    streams_20ms=3,
+    streams_1ms=10,
+    open_counts=[1000],
+    open_hold_s=3.0,
+)
+
+
+def wrk_run(target: tg.Target, connections: int, seconds: int, org_keys=None) -> dict:
+    """Non-stream chat completions with wrk; latencies in ms.
+
+    With ``org_keys`` every connection has its own wrk thread and its own key.
+    """
+    threads = connections if org_keys else 1 if connections == 1 else 2
+    argv = [
+        "wrk", f"-t{threads}", f"-c{connections}", f"-d{seconds}s", "--latency",
+        "--timeout", "30s", "-s", str(BENCH_DIR / "chat.lua"),
+        f"{target.base_url}/chat/completions",
+    ]  # fmt: skip
+    env = dict(os.environ, BENCH_API_KEY=target.api_key)
+    if org_keys:
+        if len(org_keys) < connections:
+            raise RuntimeError(f"{target.name}: {len(org_keys)} org keys for {connections} conns")
+        env["BENCH_API_KEYS"] = ",".join(org_keys[:connections])
+    out = subprocess.run(
+        argv, capture_output=True, text=True, env=env, check=False, timeout=seconds + 60
+    )
+    line = next((ln for ln in out.stdout.splitlines() if ln.startswith("WRK_JSON ")), None)
+    if line is None:
+        raise RuntimeError(f"wrk failed: {out.stdout[-500:]} {out.stderr[-500:]}")
+    raw = json.loads(line.removeprefix("WRK_JSON "))
+    errors = sum(
+        raw[k] for k in ("connect_errors", "read_errors", "write_errors", "timeouts", "non2xx")
+    )
+    done = raw["requests"] > 0  # with no reply in time wrk reports zero latencies
+    return {
+        "rps": raw["rps"],
+        "p50_ms": raw["p50_us"] / 1000 if done else None,
+        "p99_ms": raw["p99_us"] / 1000 if done else None,
+        "requests": raw["requests"],
+        "errors": errors if done else max(errors, 1),
+    }
+
+
+def orgs_run(target: tg.Target, seconds: int) -> dict:
+    """wrk at ``ORGS_CONNS`` connections, each with the key of a different org."""
+    if not target.org_keys:
+        raise RuntimeError(f"{target.name} has no org keys")
+    return wrk_run(target, ORGS_CONNS, seconds, org_keys=target.org_keys)
+
+
+def stream_run(target: tg.Target, streams: int, gap_ms: float) -> dict:
+    """Sequential 64-chunk streams, timed per chunk."""
+    return probe(target.base_url, target.api_key, streams, 64, gap_ms)
+
+
+DRAIN_TIMEOUT_S = 60
+RAMP_MAX_S = 120  # streams not open by then count as failed (direct opens 10,000 in seconds)
+
+
+def open_run(target: tg.Target, count: int, plan: Plan, upstream_url: str) -> dict:
+    """Hold ``count`` slow streams at once via bench/open_streams.py."""
+    ramp_s = min(RAMP_MAX_S, 10 + count / 50)
+    argv = [
+        sys.executable, str(BENCH_DIR / "open_streams.py"),
+        "--base-url", target.base_url, "--api-key", target.api_key,
+        "--streams", str(count), "--gap-ms", str(plan.open_gap_ms),
+        "--ramp-s", str(ramp_s), "--hold-s", str(plan.open_hold_s),
+        "--upstream-url", upstream_url, "--drain-timeout-s", str(DRAIN_TIMEOUT_S),
+    ]  # fmt: skip
+    if target.name != DIRECT:
+        argv += ["--pids", ",".join(map(str, target.pids))]
+    if target.db_name:
+        argv += ["--pg-db", target.db_name]
+    out = subprocess.run(
+        argv,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=ramp_s + plan.open_hold_s + 240,
+    )
+    if not out.stdout.strip():
+        raise RuntimeError(f"open_streams failed: {out.stderr[-800:]}")
+    time.sleep(2)  # let the target settle before it is stopped
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def build(plan: Plan, upstream_url: str) -> list:
+    """The scenarios of ``plan``, in the order each target runs them."""
+    secs = plan.wrk_seconds
+    every = frozenset({DIRECT, KILN, NOMETER, FLOOR, LITELLM})
+    vs_litellm = frozenset({DIRECT, KILN, LITELLM})
+    scs = [
+        Scenario(
+            "nonstream_c1",
+            "non-stream, 1 conn",
+            "wrk",
+            lambda t: wrk_run(t, 1, secs),
+            every,
+            "latency",
+        )
+    ]
+    for c in plan.concurrencies:
+        if c == 1:
+            continue  # the latency scenario above is concurrency 1
+        scs.append(
+            Scenario(
+                f"tput_c{c}",
+                f"non-stream, {c} conns",
+                "wrk",
+                lambda t, c=c: wrk_run(t, c, secs),
+                every if c == ORGS_CONNS else vs_litellm,
+                f"c{ORGS_CONNS}" if c == ORGS_CONNS else "more",
+            )
+        )
+    scs += [
+        Scenario(
+            f"orgs_c{ORGS_CONNS}",
+            f"non-stream, {ORGS_CONNS} conns, {ORGS_CONNS} orgs (one each)",
+            "wrk",
+            lambda t: orgs_run(t, secs),
+            frozenset({KILN, NOMETER}),
+            f"c{ORGS_CONNS}",
+        ),
+        Scenario(
+            "stream_20ms",
+            "stream 64×20 ms",
+            "stream",
+            lambda t: stream_run(t, plan.streams_20ms, 20),
+            vs_litellm | {NOMETER},
+            "more",
+        ),
+        Scenario(
+            "stream_1ms",
+            "stream 64×1 ms",
+            "stream",
+            lambda t: stream_run(t, plan.streams_1ms, 1),
+            vs_litellm,
+            "more",
+        ),
+    ]
+    for k in plan.open_counts:
+        scs.append(
+            Scenario(
+                f"open_{k}",
+                f"{k} open streams",
+                "open",
+                lambda t, k=k: open_run(t, k, plan, upstream_url),
+                vs_litellm if k <= LITELLM_OPEN_MAX else frozenset({DIRECT, KILN}),
+                "burst",
+            )
+        )
+    return scs
