@@ -90,10 +90,10 @@ def respond(services, principal, chat, environ):
 def _life(gen):
     """Yield the response's head, then its body; settle exactly once, whatever ends it.
 
-    The paths return their last bytes (the JSON body; the usage chunk and ``[DONE]``; or the
-    error event of a failed stream) instead of sending them: they go out after the settlement,
-    and a completed generation's settlement has committed by then, so what a client is told it
-    paid is already in the ledger (docs/METERING.md).
+    A completed path returns its last bytes (the JSON body; the usage chunk and ``[DONE]``) as
+    a function of the USD charged, instead of sending them: they go out after the settlement,
+    which for a completed generation has committed by then, so the cost a client is told is
+    the one in the ledger (docs/METERING.md). A failed stream's last bytes are its error event.
     """
     ending, last = None, None
     try:
@@ -103,14 +103,15 @@ def _life(gen):
         if isinstance(exc, GeneratorExit) or not gen.head_sent:
             raise
         if not isinstance(exc, ClientGone):  # nobody left to tell
-            last = _error_event(outcome_for(exc, stream_began=True), exc)
+            error_event = _error_event(outcome_for(exc, stream_began=True), exc)
+            last = lambda _charged: error_event  # noqa: E731
     finally:
         try:
             gen.close()
         finally:
             gen.settle(outcome_for(ending, gen.head_sent))
-    if last:
-        yield last
+    if last is not None:
+        yield last(gen.charged_usd)
 
 
 class Generation:
@@ -143,6 +144,7 @@ class Generation:
         self.read_whole = False  # the backend's reply was read to its end: keep the connection
         self.first_token_s = self.first_token_at = None
         self.usage = None       # the usage billed, once known
+        self.charged_usd = None  # the USD debited, once settled
 
     # -- backend -------------------------------------------------------------------------------
 
@@ -262,13 +264,16 @@ class Generation:
                                     "completion_cap": self.chat.completion_cap}))
         p = self.principal
         wait_s = self.services.config.settle_wait_s if outcome.status is Status.COMPLETED else 0
-        self.services.ledger.settle(Settlement(
+        settlement = Settlement(
             gid=self.gid, org_id=p.org_id, key_id=p.key_id, model=self.chat.entry.id,
             stream=self.chat.stream, status=outcome.status.value, usage=usage,
             cost_nanos=cost_nanos, http_status=outcome.http_status, error=outcome.message,
             error_code=outcome.code, backend=self.backend.url, attempts=self.attempts,
-            anomaly=anomaly, started_at=self.started_at, first_token_at=self.first_token_at),
-            wait_s=wait_s)
+            anomaly=anomaly, started_at=self.started_at, first_token_at=self.first_token_at)
+        if self.services.ledger.settle(settlement, wait_s=wait_s) and \
+                settlement.debited is not None:
+            cost_nanos = settlement.debited  # less only if the org could not cover an anomaly
+        self.charged_usd = from_nanos(cost_nanos)
         self._observe(outcome, usage, cost_nanos)
 
     def _observe(self, outcome, usage, cost_nanos):
@@ -322,14 +327,13 @@ def _complete(gen):
     gen.accepted = True  # a whole answer: billed, also if its client has left meanwhile
     gen.meter.observe_completion(completion)
     gen.mark_first_token()
-    usage, cost = gen.final_usage(), gen.cost_usd()
+    usage = gen.final_usage()
     apply_to_completion(completion, gen.chat.stop, gen.chat.single_tool_call)
     if not is_well_formed(completion.get("usage"), usage):
         completion["usage"] = _usage_object(usage)
-    body = dumps(completion, cost)
     gen.head_sent = True
     yield Head(200, "application/json", {})
-    return body
+    return lambda charged_usd: dumps(completion, charged_usd)
 
 
 def _parse_completion(raw):
@@ -375,7 +379,9 @@ def _stream(gen):
         gen.pump, lambda payloads: _apply(gen, rules, payloads), gen.check_lease,
         config.keepalive_s, gen.timeouts.idle_s, config.max_event_bytes)
     _check_complete(rules, unfinished)
-    return _end_of_stream(gen, rules)
+    gen.read_whole = gen.pump.complete and not rules.cut
+    gen.close()  # a cut generation: the backend stops now
+    return lambda charged_usd: _end_of_stream(gen, rules, charged_usd)
 
 
 def _event_stream(resp):
@@ -413,16 +419,14 @@ def _check_complete(rules, unfinished):
     raise StreamFailed("The model backend ended the stream before it was complete.")
 
 
-def _end_of_stream(gen, rules):
+def _end_of_stream(gen, rules, charged_usd):
     """Return the last bytes of a complete stream: the end of choices Kiln cut at the budget,
-    the usage chunk if the client asked, and ``[DONE]``."""
-    gen.read_whole = gen.pump.complete and not rules.cut
-    gen.close()  # a cut generation: the backend stops now
+    the usage chunk with the USD charged if the client asked for it, and ``[DONE]``."""
     tail = rules.length_frame() if rules.cut else b""
     if gen.chat.include_usage:
         usage = gen.final_usage()
         as_sent = is_well_formed(gen.meter.reported, usage)
-        tail += rules.usage_frame(_usage_object(usage), gen.cost_usd(), as_sent)
+        tail += rules.usage_frame(_usage_object(usage), charged_usd, as_sent)
     return tail + frame(DONE)
 
 

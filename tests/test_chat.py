@@ -69,6 +69,8 @@ def test_usage_above_what_the_org_has_is_debited_to_zero_not_below(client, fake,
     event = usage_event(engine, raw.headers["X-Neocloud-Generation-Id"])
     assert event["cost_nanos"] == 1_000_000 and event["anomaly"] is True
     assert balance_nanos(engine, poor.id) == (0, 0, 0)
+    # the reply tells the cost that was charged, not a price nobody paid
+    assert Decimal(str(raw.parse().usage.model_extra["cost"])) == Decimal("0.001")
 
 
 def test_stream_usage_chunk_has_cost_when_asked(client, fake, org, engine):

@@ -19,6 +19,7 @@ class StubGeneration:
         self.chat = SimpleNamespace(stream=stream)
         self.head_sent = False
         self.closed, self.close_fails, self.settled = 0, close_fails, []
+        self.charged_usd = None
 
     def close(self):
         self.closed += 1
@@ -27,6 +28,7 @@ class StubGeneration:
 
     def settle(self, outcome):
         self.settled.append(outcome)
+        self.charged_usd = "0.5"
 
 
 def life_of(monkeypatch, body):
@@ -122,9 +124,9 @@ def test_the_last_bytes_of_a_completion_go_out_after_its_settlement(monkeypatch)
         gen.head_sent = True
         yield Head(200, "text/event-stream", {})
         yield b"a"
-        return b"usage and [DONE]"
+        return lambda charged: f"usage costs {charged}, [DONE]".encode()
     gen, life = life_of(monkeypatch, body)
     next(life)
     assert next(life) == b"a" and gen.settled == []
-    assert next(life) == b"usage and [DONE]"
+    assert next(life) == b"usage costs 0.5, [DONE]"  # the cost the settlement charged
     assert [o.status for o in gen.settled] == [Status.COMPLETED]

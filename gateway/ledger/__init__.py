@@ -95,6 +95,7 @@ class Settlement:
     first_token_at: datetime = None
     expired_before: datetime = None  # the sweeper: settle only if the lease expired before
     committed: Event = field(default_factory=Event, repr=False, compare=False)
+    debited: int = None  # nano-dollars debited, once committed (None: settled before)
 
     def __post_init__(self):
         self.error = storable(self.error)
@@ -253,7 +254,7 @@ class Ledger:
         while True:
             t0 = time.monotonic()
             try:
-                self.store.settle_batch(batch)
+                debited = self.store.settle_batch(batch)
                 break
             except Exception:  # noqa: BLE001 - the settlement guard: retried until it commits
                 log.warning("settlement of %d generation(s) failed; retrying in %.2f s",
@@ -265,6 +266,7 @@ class Ledger:
             self.metrics.settlement_batch.observe(len(batch))
         for settlement in batch:
             self._live.pop(settlement.gid, None)
+            settlement.debited = debited.get(settlement.gid)
             settlement.committed.set()
 
     def _renew_forever(self):
@@ -328,6 +330,7 @@ class NullLedger:
         return Lease(gid, progress)
 
     def settle(self, settlement, wait_s=0):
+        settlement.debited = settlement.cost_nanos
         return True
 
     def drain(self, timeout_s):
