@@ -194,3 +194,99 @@ def test_money_stays_exact_through_a_killed_worker_and_a_database_crash(
         assert check.returncode == 0, check.stdout + check.stderr
     finally:
         gw.stop()
+
+
+# -- the ledger's statements, both dialects, without HTTP --------------------------------------
+
+@pytest.fixture(params=["postgres", "sqlite"])
+def ledger_db(request, pg_url, tmp_path):
+    """A migrated database of each dialect, with an org ($1) and its key."""
+    from gateway.config import Config
+    from gateway.db import create_engine
+    from gateway.ledger import Ledger
+    url = pg_url if request.param == "postgres" else f"sqlite:///{tmp_path}/ledger.db"
+    if request.param == "sqlite":
+        migrate(url)
+    config = Config.from_mapping({"database_url": url, "lease_ttl_s": 60})
+    engine = sa.create_engine(url)
+    org = make_org(engine, f"ledger-{uuid.uuid4().hex[:8]}", usd="1")
+    with engine.connect() as conn:
+        key_id = conn.execute(sa.text("SELECT id FROM api_keys WHERE org_id = :o"),
+                              {"o": org.id}).scalar_one()
+    ledger = Ledger(create_engine(config, ledger=True), config, CATALOG_PRICES)
+    yield ledger, engine, org, key_id
+    ledger.store.engine.dispose()
+    engine.dispose()
+
+
+class _Entry:  # the catalog entry's prices the sweeper bills with (USD per 1M tokens)
+    def __init__(self, prices):
+        from gateway.catalog import Pricing
+        self.pricing = Pricing(*map(Decimal, prices))
+
+
+CATALOG_PRICES = {"fake-model": _Entry(("0.10", "0.05", "0.30"))}
+
+
+def _admit(ledger, org, key_id, hold=1_000_000):
+    from gateway.ledger import AdmissionRequest
+    return ledger.store.admit_once(AdmissionRequest(
+        gid="gen-" + uuid.uuid4().hex[:24], org_id=org.id, key_id=key_id, model="fake-model",
+        stream=True, hold_nanos=hold, in_flight_limit=8, lease_ttl_s=60, key_checks=False))[0]
+
+
+def _settlement(gid, org, key_id, prompt, completion, cost):
+    from gateway.billing import Usage
+    from gateway.ledger import Settlement
+    return Settlement(gid=gid, org_id=org.id, key_id=key_id, model="fake-model", stream=True,
+                      status="completed", usage=Usage(prompt=prompt, completion=completion),
+                      cost_nanos=cost)
+
+
+def test_a_late_real_settlement_corrects_the_sweepers_guess(ledger_db):
+    """The sweeper closed a generation whose worker was only slow (its lease expired during a
+    database outage): the worker's real settlement, arriving later, replaces the guess, and the
+    balance, the key's spend and the daily rollup move by the difference."""
+    ledger, engine, org, key_id = ledger_db
+    gid = _admit(ledger, org, key_id)
+    with engine.begin() as conn:  # progress recorded by a renewal, then the lease expired
+        conn.execute(sa.text("UPDATE usage_events SET prompt_tokens = 10, completion_tokens = 1 "
+                             "WHERE id = :g"), {"g": gid})
+        conn.execute(sa.text("UPDATE in_flight SET expires_at = :t WHERE generation_id = :g"),
+                     {"t": "2000-01-01 00:00:00+00", "g": gid})
+    assert ledger.sweep(org_id=org.id) == 1
+    # the guess: 10 × 0.10 + 1 × 0.30 = 1.3 micro-dollars
+    assert _event(engine, gid)[:2] == ("abandoned", 1_300)
+    debited, _token = ledger.store.settle_batch([_settlement(gid, org, key_id, 12, 40, 13_200)])
+    assert debited == {gid: 13_200}
+    assert _event(engine, gid) == ("completed", 13_200, 12, 40)
+    with engine.connect() as conn:
+        assert conn.execute(sa.text("SELECT balance_nanos, held_nanos, in_flight FROM "
+                                    "credit_balances WHERE org_id = :o"), {"o": org.id}
+                            ).one() == (10**9 - 13_200, 0, 0)
+        assert conn.execute(sa.text(
+            "SELECT requests, errors, prompt_tokens, completion_tokens, cost_nanos "
+            "FROM usage_daily WHERE org_id = :o"), {"o": org.id}).one() == (1, 0, 12, 40, 13_200)
+        assert conn.execute(sa.text("SELECT period_spent_nanos FROM api_keys WHERE id = :k"),
+                            {"k": key_id}).scalar_one() == 13_200
+    # settled once: a second delivery of the same settlement changes nothing
+    assert ledger.store.settle_batch([_settlement(gid, org, key_id, 99, 99, 99_999)])[0] == {}
+    assert _event(engine, gid) == ("completed", 13_200, 12, 40)
+
+
+def test_an_admission_lost_in_a_crash_is_written_by_its_settlement(ledger_db):
+    ledger, engine, org, key_id = ledger_db
+    gid = "gen-" + uuid.uuid4().hex[:24]  # never admitted: the database lost it
+    debited, _ = ledger.store.settle_batch([_settlement(gid, org, key_id, 5, 5, 2_000)])
+    assert debited == {gid: 2_000} and _event(engine, gid) == ("completed", 2_000, 5, 5)
+    with engine.connect() as conn:
+        assert conn.execute(sa.text("SELECT balance_nanos, held_nanos, in_flight FROM "
+                                    "credit_balances WHERE org_id = :o"), {"o": org.id}
+                            ).one() == (10**9 - 2_000, 0, 0)
+
+
+def _event(engine, gid):
+    with engine.connect() as conn:
+        return tuple(conn.execute(sa.text(
+            "SELECT status, cost_nanos, prompt_tokens, completion_tokens FROM usage_events "
+            "WHERE id = :g"), {"g": gid}).one())

@@ -21,9 +21,12 @@ Row locks are always taken in this order: usage events (by id), leases, balances
 keys, daily rows. Admission locks a balance, then a key; renewal locks events (skipping those
 being settled), then leases; settlement locks events, then balances in org order.
 
-Durability: settlement commits durably, in batches (one transaction for the settlements queued
-at that moment, so no settlement waits for another's flush); admission and renewal do not wait
-for their WAL flush. An admission lost in a database crash is written again by its settlement.
+Durability: no statement waits for its WAL flush on a client's clock. Settlements are committed
+in batches (one transaction for those queued at that moment), then kept in memory until the
+database reports their WAL flushed (:meth:`Ledger._flush_forever`); a crash before that makes the
+worker settle them again (settlement is idempotent). An admission lost in a crash is written
+again by its settlement. Only a worker lost together with the database, within the flush delay
+(a fraction of a second), loses a settlement.
 """
 import json
 import logging
@@ -33,6 +36,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 import gevent
+import psycopg
 import sqlalchemy as sa
 from gevent.event import Event
 from gevent.queue import Empty, Queue
@@ -157,8 +161,11 @@ class Ledger:
         self.catalog = catalog
         self.metrics = metrics
         self._queue = Queue()
-        self._live = {}       # gid -> Lease: renewed until its settlement commits
-        self._idle = Event()  # nothing queued nor being written
+        self._live = {}         # gid -> Lease: renewed until its settlement commits
+        self._unflushed = []    # committed settlements whose WAL may not be on disk yet
+        self._flush_due = Event()
+        self._outstanding = 0   # settlements queued, being written, or not yet flushed
+        self._idle = Event()    # nothing outstanding
         self._idle.set()
         self._greenlets = []
 
@@ -199,7 +206,7 @@ class Ledger:
             return self.store.admit_once(request)
         except sa.exc.TimeoutError as err:
             raise _database_busy() from err
-        except (sa.exc.DBAPIError, OSError) as err:
+        except (sa.exc.DBAPIError, psycopg.Error, OSError) as err:
             log.error("admission failed: database unavailable: %s", err)
             raise ServiceUnavailable("Kiln cannot reach its database; retry with backoff.",
                                      code="database_unavailable",
@@ -222,18 +229,20 @@ class Ledger:
         :returns: whether it committed within ``wait_s``.
         """
         self._start()
+        self._outstanding += 1
         self._idle.clear()
         self._queue.put(settlement)
         return settlement.committed.wait(wait_s) if wait_s else False
 
     def drain(self, timeout_s):
-        """Wait up to ``timeout_s`` for every queued settlement to commit; return whether all
-        did (graceful shutdown)."""
+        """Wait up to ``timeout_s`` for every queued settlement to commit and reach the disk;
+        return whether all did (graceful shutdown)."""
         return self._idle.wait(timeout_s)
 
     def _start(self):
         if not self._greenlets:
             self._greenlets = [gevent.spawn(self._write_forever),
+                               gevent.spawn(self._flush_forever),
                                gevent.spawn(self._renew_forever)]
 
     def _write_forever(self):
@@ -244,9 +253,32 @@ class Ledger:
                     batch.append(self._queue.get_nowait())
                 except Empty:
                     break
-            self._write(batch)
-            if self._queue.empty():
+            token = self._write(batch)
+            self._unflushed.append((batch, token))
+            self._flush_due.set()
+
+    def _flush_forever(self):
+        """Wait for the WAL of committed settlements to reach the disk; settle them again if
+        the database lost them (it restarted before flushing)."""
+        while True:
+            self._flush_due.wait()
+            self._flush_due.clear()
+            pending, self._unflushed = self._unflushed, []
+            for batch, token in pending:
+                self._flush(batch, token)
+            if not self._outstanding:
                 self._idle.set()
+
+    def _flush(self, batch, token):
+        try:
+            self.store.wait_flushed(token)
+        except Exception:  # noqa: BLE001 - a settlement that may be lost is settled again
+            log.warning("%d settlement(s) may not have reached the database's disk before it "
+                        "restarted; settling them again (idempotent)", len(batch), exc_info=True)
+            for settlement in batch:
+                self._queue.put(settlement)
+            return
+        self._outstanding -= len(batch)
 
     def _write(self, batch):
         """Commit ``batch``, retrying with backoff on any database error until it commits."""
@@ -254,7 +286,7 @@ class Ledger:
         while True:
             t0 = time.monotonic()
             try:
-                debited = self.store.settle_batch(batch)
+                debited, token = self.store.settle_batch(batch)
                 break
             except Exception:  # noqa: BLE001 - the settlement guard: retried until it commits
                 log.warning("settlement of %d generation(s) failed; retrying in %.2f s",
@@ -266,8 +298,10 @@ class Ledger:
             self.metrics.settlement_batch.observe(len(batch))
         for settlement in batch:
             self._live.pop(settlement.gid, None)
-            settlement.debited = debited.get(settlement.gid)
+            if settlement.debited is None:  # settled again after a restart: keep the first
+                settlement.debited = debited.get(settlement.gid)
             settlement.committed.set()
+        return token
 
     def _renew_forever(self):
         every_s = self.config.lease_ttl_s / 3
@@ -302,7 +336,7 @@ class Ledger:
         settlements = [self._abandoned(row) for row in rows]
         if not settlements:
             return 0
-        closed = len(self.store.settle_batch(settlements))
+        closed = len(self.store.settle_batch(settlements)[0])
         if closed:
             log.warning("sweeper closed %d abandoned generation(s)", closed)
         return closed

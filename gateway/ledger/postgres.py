@@ -7,6 +7,7 @@ need pgbouncer 1.21 or later (Kiln turns psycopg's off; ``gateway.db``). Row loc
 the order the package docstring gives.
 """
 import json
+import time
 
 import psycopg
 import sqlalchemy as sa
@@ -96,27 +97,34 @@ BEGIN
 END $$"""
 
 SETTLE = """CREATE OR REPLACE FUNCTION kiln_settle(p_batch jsonb)
-RETURNS TABLE (gid text, debited bigint)
+RETURNS TABLE (gid text, debited bigint, xid xid8)
 LANGUAGE plpgsql AS $$
 DECLARE
   v_now timestamptz := clock_timestamp();
   v_ids text[];
   v_lost text[];
 BEGIN
-  -- 1. The batch's pending events, locked in id order. The sweeper's entries count only if
-  --    their lease is still expired once the event is locked (renewal locks the event first).
+  -- Not durable at once: the worker keeps the batch until the WAL is flushed (wait_flushed).
+  PERFORM set_config('synchronous_commit', 'off', true);
+  -- 1. The batch's events, locked in id order: pending ones, and ones the sweeper closed as
+  --    abandoned while their worker was in fact alive (its real settlement corrects them).
+  --    The sweeper's entries count only if their lease is still expired once the event is
+  --    locked (renewal locks the event first).
   SELECT array_agg(e.id) INTO v_ids FROM (
     SELECT e.id FROM usage_events e
      WHERE e.id IN (SELECT s.gid FROM jsonb_populate_recordset(NULL::kiln_settlement,
                                                                 p_batch) s)
-       AND e.status = 'pending'
+       AND e.status IN ('pending', 'abandoned')
      ORDER BY e.id FOR UPDATE) e;
   SELECT array_agg(s.gid) INTO v_ids
     FROM jsonb_populate_recordset(NULL::kiln_settlement, p_batch) s
+    JOIN usage_events e ON e.id = s.gid
    WHERE s.gid = ANY(v_ids)
-     AND (s.expired_before IS NULL OR EXISTS (
-          SELECT 1 FROM in_flight f WHERE f.generation_id = s.gid
-                                      AND f.expires_at < s.expired_before));
+     AND CASE WHEN s.expired_before IS NULL THEN true
+              WHEN e.status = 'pending' THEN EXISTS (
+                SELECT 1 FROM in_flight f WHERE f.generation_id = s.gid
+                                            AND f.expires_at < s.expired_before)
+              ELSE false END;
   -- Admissions lost in a database crash (no event at all): written here, with no hold.
   SELECT array_agg(s.gid) INTO v_lost
     FROM jsonb_populate_recordset(NULL::kiln_settlement, p_batch) s
@@ -124,7 +132,7 @@ BEGIN
      AND NOT EXISTS (SELECT 1 FROM usage_events e WHERE e.id = s.gid);
   INSERT INTO usage_events (id, org_id, api_key_id, model, stream, status, hold_nanos,
                             started_at)
-  SELECT s.gid, s.org, s.key, s.model, s.stream, 'pending', 0, s.started_at
+  SELECT s.gid, s.org, s.key, s.model, s.stream, 'pending', 0, COALESCE(s.started_at, v_now)
     FROM jsonb_populate_recordset(NULL::kiln_settlement, p_batch) s
    WHERE s.gid = ANY(v_lost)
   ON CONFLICT (id) DO NOTHING;
@@ -133,9 +141,11 @@ BEGIN
   PERFORM 1 FROM credit_balances b
    WHERE b.org_id IN (SELECT e.org_id FROM usage_events e WHERE e.id = ANY(v_ids))
    ORDER BY b.org_id FOR UPDATE;
-  -- 3. Everything else, in one statement on the locked rows. A generation may take its hold
-  --    plus what its org has free (not held by others), shared in id order: a backend that
-  --    reported more than the hold is billed in full while the balance allows it.
+  -- 3. Everything else, in one statement on the locked rows. A generation may take what it
+  --    holds (a pending one: its hold; a corrected one: what it was charged) plus what its org
+  --    has free, shared in id order: a backend that reported more than the hold is billed in
+  --    full while the balance allows it. A correction moves the balance, the key's spend and
+  --    the daily rollup by the difference from what the sweeper wrote.
   RETURN QUERY
   WITH s AS (SELECT * FROM jsonb_populate_recordset(NULL::kiln_settlement, p_batch) x
               WHERE x.gid = ANY(v_ids)),
@@ -143,11 +153,18 @@ BEGIN
             RETURNING f.generation_id, f.key_hold_nanos),
   j AS (SELECT s.*, e.org_id, e.api_key_id, e.hold_nanos, e.started_at AS began,
                COALESCE(l.key_hold_nanos, 0) AS key_hold, (l.generation_id IS NOT NULL) AS leased,
-               GREATEST(s.cost - e.hold_nanos, 0) AS excess
+               (e.status = 'abandoned') AS fix,
+               CASE WHEN e.status = 'abandoned' THEN e.cost_nanos ELSE e.hold_nanos END AS base,
+               CASE WHEN e.status = 'abandoned' THEN e.cost_nanos ELSE 0 END AS was_cost,
+               CASE WHEN e.status = 'abandoned' THEN e.prompt_tokens ELSE 0 END AS was_prompt,
+               CASE WHEN e.status = 'abandoned' THEN e.cached_tokens ELSE 0 END AS was_cached,
+               CASE WHEN e.status = 'abandoned' THEN e.completion_tokens ELSE 0 END
+                 AS was_completion
           FROM s JOIN usage_events e ON e.id = s.gid
           LEFT JOIN lease l ON l.generation_id = s.gid),
-  d AS (SELECT j.*, CAST(LEAST(j.cost, j.hold_nanos + GREATEST(0, b.balance_nanos
-                   - b.held_nanos - (SUM(j.excess) OVER w - j.excess))) AS bigint) AS debit
+  d AS (SELECT j.*, CAST(LEAST(j.cost, j.base + GREATEST(0, b.balance_nanos - b.held_nanos
+                   - (SUM(GREATEST(j.cost - j.base, 0)) OVER w
+                      - GREATEST(j.cost - j.base, 0)))) AS bigint) AS debit
           FROM j JOIN credit_balances b ON b.org_id = j.org_id
         WINDOW w AS (PARTITION BY j.org_id ORDER BY j.gid)),
   ev AS (UPDATE usage_events e
@@ -163,7 +180,7 @@ BEGIN
   bal AS (UPDATE credit_balances b
              SET balance_nanos = b.balance_nanos - t.debit, held_nanos = b.held_nanos - t.hold,
                  in_flight = b.in_flight - t.leases
-            FROM (SELECT d.org_id, SUM(d.debit) AS debit,
+            FROM (SELECT d.org_id, SUM(d.debit - d.was_cost) AS debit,
                          SUM(CASE WHEN d.leased THEN d.hold_nanos ELSE 0 END) AS hold,
                          COUNT(*) FILTER (WHERE d.leased) AS leases
                     FROM d GROUP BY d.org_id) t
@@ -177,15 +194,19 @@ BEGIN
                   last_used_at = CASE WHEN k.last_used_at IS NULL
                                         OR k.last_used_at < v_now - interval '1 minute'
                                       THEN v_now ELSE k.last_used_at END
-             FROM (SELECT d.api_key_id, SUM(d.debit) AS debit, SUM(d.key_hold) AS key_hold
+             FROM (SELECT d.api_key_id, SUM(d.debit - d.was_cost) AS debit,
+                          SUM(d.key_hold) AS key_hold
                      FROM d GROUP BY d.api_key_id) t
             WHERE k.id = t.api_key_id RETURNING k.id),
   daily AS (INSERT INTO usage_daily AS u (org_id, day, model, api_key_id, requests, errors,
                                           prompt_tokens, cached_tokens, completion_tokens,
                                           cost_nanos)
             SELECT d.org_id, CAST(d.began AT TIME ZONE 'UTC' AS date), d.model, d.api_key_id,
-                   COUNT(*), COUNT(*) FILTER (WHERE d.status <> 'completed'), SUM(d.prompt),
-                   SUM(d.cached), SUM(d.completion), SUM(d.debit)
+                   COUNT(*) FILTER (WHERE NOT d.fix),
+                   SUM(CASE WHEN d.status <> 'completed' THEN 1 ELSE 0 END
+                       - CASE WHEN d.fix THEN 1 ELSE 0 END),
+                   SUM(d.prompt - d.was_prompt), SUM(d.cached - d.was_cached),
+                   SUM(d.completion - d.was_completion), SUM(d.debit - d.was_cost)
               FROM d GROUP BY 1, 2, 3, 4
             ON CONFLICT (org_id, day, model, api_key_id) DO UPDATE
                SET requests = u.requests + EXCLUDED.requests,
@@ -195,7 +216,7 @@ BEGIN
                    completion_tokens = u.completion_tokens + EXCLUDED.completion_tokens,
                    cost_nanos = u.cost_nanos + EXCLUDED.cost_nanos
             RETURNING 1)
-  SELECT d.gid, d.debit FROM d;
+  SELECT d.gid, d.debit, pg_current_xact_id() FROM d;
 END $$"""
 
 RENEW = """CREATE OR REPLACE FUNCTION kiln_renew(
@@ -239,12 +260,18 @@ _ADMIT_CALL = ("SELECT * FROM kiln_admit(%s::text, %s::integer, %s::integer, %s:
 _SETTLE_CALL = "SELECT * FROM kiln_settle(%s::jsonb)"
 _RENEW_CALL = ("SELECT * FROM kiln_renew(%s::text[], %s::integer[], %s::integer[], "
                "%s::integer[], %s::float8)")
+_INSERT_LSN = "SELECT pg_current_wal_insert_lsn()"
+_FLUSHED = "SELECT pg_xact_status(%s::xid8), pg_current_wal_flush_lsn() >= %s::pg_lsn"
 _EXPIRED = """SELECT f.generation_id AS gid, e.org_id AS org, e.api_key_id AS key, e.model,
        e.stream, e.prompt_tokens, e.cached_tokens, e.completion_tokens, e.started_at,
        clock_timestamp() AS cutoff
   FROM in_flight f JOIN usage_events e ON e.id = f.generation_id
  WHERE f.expires_at < clock_timestamp() AND (%s::integer IS NULL OR f.org_id = %s::integer)
  LIMIT %s"""
+
+
+class SettlementLost(Exception):
+    """A committed settlement did not survive a database restart: settle it again."""
 
 
 class PostgresStore:
@@ -256,8 +283,9 @@ class PostgresStore:
     def __init__(self, engine):
         self.engine = engine
 
-    def _call(self, sql, params):
-        """Run one statement on a pooled connection; return its rows.
+    def _call(self, sql, params, then=None):
+        """Run one statement on a pooled connection; return its rows (and, with ``then``, the
+        rows of that second statement, on the same connection).
 
         A connection found broken is dropped from the pool (a database restart) and the error
         raised; callers retry.
@@ -271,7 +299,11 @@ class PostgresStore:
         try:
             with conn.cursor() as cur:
                 cur.execute(sql, params)
-                return cur.fetchall()
+                rows = cur.fetchall()
+                if then is None:
+                    return rows
+                cur.execute(then)
+                return rows, cur.fetchall()
         except psycopg.Error:
             conn.invalidate()
             raise
@@ -285,9 +317,15 @@ class PostgresStore:
         return rows[0] if rows else None
 
     def settle_batch(self, settlements):
-        """Settle ``settlements`` in one transaction; return ``{gid: debited nano-dollars}``."""
+        """Settle ``settlements`` in one transaction (not flushed yet: :meth:`wait_flushed`).
+
+        :returns: ``({gid: debited nano-dollars}, flush token)``; the token names the
+            transaction and a WAL position after its commit record (None: nothing written).
+        """
         batch = json.dumps([s.as_record() for s in settlements])
-        return dict(self._call(_SETTLE_CALL, (batch,)))
+        rows, ((lsn,),) = self._call(_SETTLE_CALL, (batch,), then=_INSERT_LSN)
+        token = (rows[0][2], lsn) if rows else None
+        return {gid: debited for gid, debited, _xid in rows}, token
 
     def renew(self, leases, lease_ttl_s):
         """Renew ``leases`` (with their progress); return ``{gid: state}``."""
@@ -298,6 +336,28 @@ class PostgresStore:
             cached.append(usage.cached if usage else 0)
             completion.append(usage.completion if usage else 0)
         return dict(self._call(_RENEW_CALL, (gids, prompt, cached, completion, lease_ttl_s)))
+
+    def wait_flushed(self, token, poll_s=0.02):
+        """Return once the settlement transaction named by ``token`` is on the database's disk:
+        committed, and the WAL flushed past it (the WAL writer does it within a few
+        ``wal_writer_delay``, 200 ms by default).
+
+        :raises SettlementLost: the database restarted without it (a crash before the flush).
+        :raises psycopg.Error: the database is unreachable (whether it kept it is unknown).
+        """
+        if token is None:
+            return
+        xid, lsn = token
+        while True:
+            try:
+                (status, flushed), = self._call(_FLUSHED, (str(xid), lsn))
+            except psycopg.errors.InvalidParameterValue as err:  # "in the future": crashed
+                raise SettlementLost(str(err)) from err
+            if status != "committed":
+                raise SettlementLost(f"transaction {xid} is {status} after a restart")
+            if flushed:
+                return
+            time.sleep(poll_s)
 
     def expired(self, org_id, limit):
         """Return rows of expired leases with their events' recorded progress."""

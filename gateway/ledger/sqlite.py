@@ -100,28 +100,23 @@ class SqliteStore:
                 cost = self._settle_one(conn, s)
                 if cost is not None:
                     debited[s.gid] = cost
-        return debited
+        return debited, None
 
     def _settle_one(self, conn, s):
+        """Settle one generation (see ``kiln_settle``: pending ones, and abandoned ones whose
+        worker's real settlement arrives late, which it corrects)."""
         ev, now = usage_events.c, utcnow()
-        event = conn.execute(sa.select(ev.status, ev.hold_nanos, ev.started_at)
-                             .where(ev.id == s.gid)).first()
-        if event is None and s.expired_before is None:  # an admission lost in a crash
-            conn.execute(usage_events.insert().values(
-                id=s.gid, org_id=s.org_id, api_key_id=s.key_id, model=s.model, stream=s.stream,
-                status="pending", hold_nanos=0, started_at=s.started_at))
-            event = conn.execute(sa.select(ev.status, ev.hold_nanos, ev.started_at)
-                                 .where(ev.id == s.gid)).first()
-        if event is None or event.status != "pending":
+        event = self._event(conn, s)
+        if event is None or not self._settles(conn, s, event):
             return None
-        lease = conn.execute(sa.select(in_flight).where(in_flight.c.generation_id == s.gid)).first()
-        if s.expired_before is not None and (
-                lease is None or _aware(lease.expires_at) >= s.expired_before):
-            return None
+        fix = event.status == "abandoned"
+        was = {k: getattr(event, k) if fix else 0
+               for k in ("cost_nanos", "prompt_tokens", "cached_tokens", "completion_tokens")}
         bal = credit_balances.c
         free = conn.execute(sa.select(bal.balance_nanos - bal.held_nanos)
                             .where(bal.org_id == s.org_id)).scalar()
-        debit = min(s.cost_nanos, event.hold_nanos + max(0, free))
+        base = event.cost_nanos if fix else event.hold_nanos
+        debit = min(s.cost_nanos, base + max(0, free))
         u = s.usage
         conn.execute(usage_events.update().where(ev.id == s.gid).values(
             status=s.status, prompt_tokens=u.prompt, cached_tokens=u.cached,
@@ -133,16 +128,39 @@ class SqliteStore:
             anomaly=bool(s.anomaly or debit < s.cost_nanos),
             first_token_at=sa.func.coalesce(s.first_token_at, ev.first_token_at),
             ended_at=now))
+        lease = conn.execute(sa.select(in_flight)
+                             .where(in_flight.c.generation_id == s.gid)).first()
         held, leases, key_hold = 0, 0, 0
         if lease is not None:
             conn.execute(in_flight.delete().where(in_flight.c.generation_id == s.gid))
             held, leases, key_hold = lease.hold_nanos, 1, lease.key_hold_nanos
         conn.execute(credit_balances.update().where(bal.org_id == s.org_id).values(
-            balance_nanos=bal.balance_nanos - debit, held_nanos=bal.held_nanos - held,
-            in_flight=bal.in_flight - leases))
-        self._key_usage(conn, s.key_id, debit, key_hold, now)
-        self._daily(conn, s, _aware(event.started_at), debit)
+            balance_nanos=bal.balance_nanos - (debit - was["cost_nanos"]),
+            held_nanos=bal.held_nanos - held, in_flight=bal.in_flight - leases))
+        self._key_usage(conn, s.key_id, debit - was["cost_nanos"], key_hold, now)
+        self._daily(conn, s, _aware(event.started_at), debit, was, fix)
         return debit
+
+    def _event(self, conn, s):
+        ev = usage_events.c
+        columns = (ev.status, ev.hold_nanos, ev.started_at, ev.cost_nanos, ev.prompt_tokens,
+                   ev.cached_tokens, ev.completion_tokens)
+        event = conn.execute(sa.select(*columns).where(ev.id == s.gid)).first()
+        if event is None and s.expired_before is None:  # an admission lost in a crash
+            conn.execute(usage_events.insert().values(
+                id=s.gid, org_id=s.org_id, api_key_id=s.key_id, model=s.model, stream=s.stream,
+                status="pending", hold_nanos=0, started_at=s.started_at or utcnow()))
+            event = conn.execute(sa.select(*columns).where(ev.id == s.gid)).first()
+        return event
+
+    def _settles(self, conn, s, event):
+        if s.expired_before is None:
+            return event.status in ("pending", "abandoned")
+        if event.status != "pending":
+            return False
+        lease = conn.execute(sa.select(in_flight.c.expires_at)
+                             .where(in_flight.c.generation_id == s.gid)).first()
+        return lease is not None and _aware(lease.expires_at) < s.expired_before
 
     def _key_usage(self, conn, key_id, debit, key_hold, now):
         k = conn.execute(sa.select(api_keys).where(api_keys.c.id == key_id)).first()
@@ -155,18 +173,23 @@ class SqliteStore:
             last_used_at=now if last_used is None or last_used < now - timedelta(minutes=1)
             else last_used))
 
-    def _daily(self, conn, s, began, debit):
+    def _daily(self, conn, s, began, debit, was, fix):
         d = usage_daily.c
         key = {"org_id": s.org_id, "day": began.astimezone(timezone.utc).date(),
                "model": s.model, "api_key_id": s.key_id}
         u = s.usage
-        add = {"requests": 1, "errors": int(s.status != "completed"), "prompt_tokens": u.prompt,
-               "cached_tokens": u.cached, "completion_tokens": u.completion,
-               "cost_nanos": debit}
+        add = {"requests": int(not fix), "errors": int(s.status != "completed") - int(fix),
+               "prompt_tokens": u.prompt - was["prompt_tokens"],
+               "cached_tokens": u.cached - was["cached_tokens"],
+               "completion_tokens": u.completion - was["completion_tokens"],
+               "cost_nanos": debit - was["cost_nanos"]}
         changed = conn.execute(usage_daily.update().where(*(d[k] == v for k, v in key.items()))
                                .values(**{k: d[k] + v for k, v in add.items()})).rowcount
         if not changed:
             conn.execute(usage_daily.insert().values(**key, **add))
+
+    def wait_flushed(self, token):
+        """SQLite commits durably: nothing to wait for."""
 
     def renew(self, leases, lease_ttl_s):
         now, states = utcnow(), {}
