@@ -7,8 +7,7 @@ from dataclasses import dataclass
 from decimal import ROUND_HALF_UP, Decimal
 
 NANOS_PER_USD = Decimal(10 ** 9)
-NANO = Decimal("1E-9")
-PER_MILLION = Decimal(10 ** 6)
+MILLION, HALF_MILLION = 10 ** 6, 5 * 10 ** 5
 MAX_TOKENS_COUNT = 2 ** 31 - 1  # the token columns are 32-bit; no real generation is near it
 
 
@@ -65,21 +64,30 @@ def token_count(value):
     return min(value, MAX_TOKENS_COUNT)
 
 
-def cost_usd(usage, pricing):
-    """Price ``usage`` in USD, exact, rounded half-up to the nano-dollar.
+def cost_nanos(usage, pricing):
+    """Price ``usage`` in integer nano-dollars, exact, rounded half-up.
 
     ``cost = (prompt - cached) * input + cached * cached_input + completion * output`` with
     prices per million tokens; ``cached`` is clamped to ``[0, prompt]`` (README, "Pricing").
+    Prices are whole nano-dollars per million tokens (the catalog checks it), so this is
+    integer arithmetic: ``(Σ tokens × price + 500,000) // 1,000,000``.
 
     :param usage: :class:`Usage`.
     :param pricing: :class:`gateway.catalog.Pricing`.
-    :returns: Decimal USD, never negative.
+    :returns: int nano-dollars, never negative.
     """
     prompt = max(usage.prompt, 0)
     cached = min(max(usage.cached, 0), prompt)
-    raw = ((prompt - cached) * pricing.input + cached * pricing.cached_input
-           + max(usage.completion, 0) * pricing.output) / PER_MILLION
-    return max(raw, Decimal(0)).quantize(NANO, rounding=ROUND_HALF_UP)
+    price_in, price_cached, price_out = pricing.nanos
+    scaled = ((prompt - cached) * price_in + cached * price_cached
+              + max(usage.completion, 0) * price_out)
+    return (scaled + HALF_MILLION) // MILLION
+
+
+def cost_usd(usage, pricing):
+    """Price ``usage`` in USD (Decimal), exact, rounded half-up to the nano-dollar
+    (:func:`cost_nanos`)."""
+    return from_nanos(cost_nanos(usage, pricing))
 
 
 def to_nanos(usd):
@@ -105,4 +113,4 @@ def hold_nanos(pricing, prompt_bound, completion_cap):
     :param completion_cap: completion tokens Kiln lets the generation produce, all choices
         together (``max_tokens × n``); the relay stops the backend there.
     """
-    return to_nanos(cost_usd(Usage(prompt=prompt_bound, completion=completion_cap), pricing))
+    return cost_nanos(Usage(prompt=prompt_bound, completion=completion_cap), pricing)

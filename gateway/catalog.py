@@ -8,10 +8,12 @@ import time
 import tomllib
 from dataclasses import dataclass, field
 from decimal import Decimal
+from functools import cached_property
 
 from flask import Blueprint, current_app, jsonify
 
 from .auth import require_key
+from .billing import NANOS_PER_USD
 from .errors import ServiceUnavailable
 from .families import FAMILIES
 from .images import DEFAULT_SOURCES, SOURCES
@@ -51,11 +53,17 @@ class Backend:
 
 @dataclass(frozen=True)
 class Pricing:
-    """USD per million tokens."""
+    """USD per million tokens, exact decimals with at most 9 places (nano-dollars per million
+    tokens), so that a price is an integer in :attr:`nanos` and a cost is integer arithmetic."""
 
     input: Decimal
     cached_input: Decimal
     output: Decimal
+
+    @cached_property
+    def nanos(self):
+        """``(input, cached_input, output)`` in integer nano-dollars per million tokens."""
+        return tuple(int(p * NANOS_PER_USD) for p in (self.input, self.cached_input, self.output))
 
 
 @dataclass(frozen=True)
@@ -157,8 +165,12 @@ def _entry(raw):
     if not set(entry.image_sources) <= set(SOURCES):
         raise CatalogError(f"catalog entry {entry.id!r}: image_sources must be among "
                            f"{', '.join(SOURCES)}")
-    if min(pricing.input, pricing.cached_input, pricing.output) < 0:
+    prices = (pricing.input, pricing.cached_input, pricing.output)
+    if min(prices) < 0:
         raise CatalogError(f"catalog entry {entry.id!r}: negative price")
+    if any((p * NANOS_PER_USD) % 1 for p in prices):
+        raise CatalogError(f"catalog entry {entry.id!r}: a price has more than 9 decimal places "
+                           f"(nano-dollars per million tokens)")
     return entry
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from flask import Response
 
 from . import upstream
-from .billing import Usage, cost_usd, from_nanos, hold_nanos, to_nanos
+from .billing import Usage, cost_nanos, from_nanos, hold_nanos
 from .db import utcnow
 from .errors import GENERATION_HEADER, GatewayError, UpstreamError
 from .ledger import AdmissionRequest, Settlement
@@ -186,8 +186,8 @@ class Generation:
 
     def observe_answer(self, sent):
         """Count the time from sending to the backend's answer (its status line, or failure)."""
-        self.services.metrics.upstream_latency.labels(self.chat.entry.id).observe(
-            time.monotonic() - sent)
+        m = self.services.metrics
+        m.child(m.upstream_latency, self.chat.entry.id).observe(time.monotonic() - sent)
 
     def check_lease(self):
         """Raise :class:`gateway.outcomes.LeaseLost` once the sweeper settled this generation."""
@@ -241,8 +241,8 @@ class Generation:
         return Usage(prompt=self._own_prompt(lambda _text: None),
                      completion=self.meter.generated, estimated=True)
 
-    def cost_usd(self):
-        return cost_usd(self.final_usage(), self.chat.entry.pricing)
+    def cost_nanos(self):
+        return cost_nanos(self.final_usage(), self.chat.entry.pricing)
 
     # -- settlement ----------------------------------------------------------------------------
 
@@ -250,16 +250,16 @@ class Generation:
         """Hand the outcome to the ledger (it commits it, retrying until it does), then count
         and log it. Anything billed above the hold is an anomaly: counted and logged."""
         usage = self.final_usage()
-        cost_nanos = to_nanos(self.cost_usd())
+        cost = self.cost_nanos()
         # The backend generated past the cap it was sent (Kiln cut it), or reported more than
         # Kiln held for: either way it did not keep to the length it was given.
-        anomaly = (self.meter.cut or cost_nanos > self.hold_nanos
+        anomaly = (self.meter.cut or cost > self.hold_nanos
                    or usage.completion > self.chat.completion_cap)
         if anomaly:
             self.services.metrics.anomalies.labels(self.chat.entry.id).inc()
             log.warning(json.dumps({"event": "usage_anomaly", "generation_id": self.gid,
                                     "backend": self.backend.url, "hold_nanos": self.hold_nanos,
-                                    "cost_nanos": cost_nanos,
+                                    "cost_nanos": cost,
                                     "completion_tokens": usage.completion,
                                     "completion_cap": self.chat.completion_cap}))
         p = self.principal
@@ -267,24 +267,24 @@ class Generation:
         settlement = Settlement(
             gid=self.gid, org_id=p.org_id, key_id=p.key_id, model=self.chat.entry.id,
             stream=self.chat.stream, status=outcome.status.value, usage=usage,
-            cost_nanos=cost_nanos, http_status=outcome.http_status, error=outcome.message,
+            cost_nanos=cost, http_status=outcome.http_status, error=outcome.message,
             error_code=outcome.code, backend=self.backend.url, attempts=self.attempts,
             anomaly=anomaly, started_at=self.started_at, first_token_at=self.first_token_at)
         if self.services.ledger.settle(settlement, wait_s=wait_s) and \
                 settlement.debited is not None:
-            cost_nanos = settlement.debited  # less only if the org could not cover an anomaly
-        self.charged_usd = from_nanos(cost_nanos)
-        self._observe(outcome, usage, cost_nanos)
+            cost = settlement.debited  # less only if the org could not cover an anomaly
+        self.charged_usd = from_nanos(cost)
+        self._observe(outcome, usage, cost)
 
     def _observe(self, outcome, usage, cost_nanos):
         m, model = self.services.metrics, self.chat.entry.id
         m.in_flight.dec()
-        m.requests.labels(model, outcome.status.value).inc()
-        m.tokens.labels(model, "prompt").inc(usage.prompt)
-        m.tokens.labels(model, "completion").inc(usage.completion)
-        m.cost.labels(model).inc(float(from_nanos(cost_nanos)))
+        m.child(m.requests, model, outcome.status.value).inc()
+        m.child(m.tokens, model, "prompt").inc(usage.prompt)
+        m.child(m.tokens, model, "completion").inc(usage.completion)
+        m.child(m.cost, model).inc(float(from_nanos(cost_nanos)))
         if self.first_token_s is not None:
-            m.ttft.labels(model).observe(self.first_token_s)
+            m.child(m.ttft, model).observe(self.first_token_s)
         if self.services.config.log_requests:
             log.info(json.dumps(self._log_record(outcome, usage, cost_nanos)))
 

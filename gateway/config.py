@@ -25,8 +25,10 @@ class Config:
     key_cache_ttl_s: float = 10.0
     maintenance_poll_s: float = 2.0
     sweep_interval_s: float = 15.0
-    db_pool_size: int = 10
-    db_max_overflow: int = 10
+    # The ledger's connections per worker: kept open, and opened beyond it under a burst
+    # (then closed). Reads (keys, the maintenance flag, account views) use 2 more.
+    db_pool_size: int = 4
+    db_max_overflow: int = 12
     # Longest wait for a pooled database connection before a request is told 503.
     db_pool_timeout_s: float = 5.0
     # Largest non-stream reply and largest single stream event read from a backend.

@@ -35,7 +35,7 @@ def create_engine(config, ledger=False):
     options = {"isolation_level": "AUTOCOMMIT"} if ledger else {}
     return sa.create_engine(
         url,
-        pool_size=config.db_pool_size if ledger else 4,
+        pool_size=config.db_pool_size if ledger else 2,
         max_overflow=config.db_max_overflow if ledger else 4,
         pool_timeout=config.db_pool_timeout_s,
         # No ping on checkout (it would double the round trips of admission and settlement):

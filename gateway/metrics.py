@@ -31,6 +31,7 @@ class Metrics:
     """The gateway's collectors, registered on a registry of their own (one per app)."""
 
     def __init__(self):
+        self._children = {}
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter("kiln_requests_total", "Chat requests by model and final status",
@@ -59,6 +60,15 @@ class Metrics:
         self.anomalies = Counter("kiln_usage_anomalies_total",
                                  "Generations whose backend reported more than Kiln held for",
                                  ["model"], registry=r)
+
+
+    def child(self, metric, *labels):
+        """Return ``metric.labels(*labels)``, looked up once (the hot path asks per request)."""
+        key = (metric, labels)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*labels)
+        return found
 
 
 @bp.get("/metrics")

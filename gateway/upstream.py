@@ -24,8 +24,27 @@ def create_session(pool_size):
     adapter = HTTPAdapter(pool_connections=16, pool_maxsize=pool_size, max_retries=0)
     session.mount("http://", adapter)
     session.mount("https://", adapter)
-    session.headers.update({"User-Agent": "kiln-gateway", "Accept-Encoding": "identity"})
+    session.headers.update({"User-Agent": "kiln-gateway", "Accept-Encoding": "identity",
+                            "Content-Type": "application/json"})
+    session.kiln_prepared = {}  # url -> a prepared POST to copy (post)
     return session
+
+
+def post(session, url, payload, timeouts_s):
+    """POST ``payload`` to ``url`` through the session's adapter and return the response once
+    its status line is in (the body is not read).
+
+    The request is prepared once per URL and copied (``Session.request`` would merge settings,
+    cookies, hooks and the environment again on every call); no redirects are followed.
+    """
+    template = session.kiln_prepared.get(url)
+    if template is None:
+        template = session.kiln_prepared[url] = session.prepare_request(
+            requests.Request("POST", url))
+    prepared = template.copy()
+    prepared.body = payload
+    prepared.headers["Content-Length"] = str(len(payload))
+    return session.get_adapter(url).send(prepared, stream=True, timeout=timeouts_s)
 
 
 def encode_body(body):
@@ -49,8 +68,7 @@ def open_chat(session, backend, payload, timeouts_s):
     :raises ServiceUnavailable: the backend is overloaded (429) (503).
     """
     try:
-        resp = session.post(backend.url.rstrip("/") + CHAT_PATH, data=payload, stream=True,
-                            timeout=timeouts_s, headers={"Content-Type": "application/json"})
+        resp = post(session, backend.url.rstrip("/") + CHAT_PATH, payload, timeouts_s)
     except requests.RequestException as err:
         if _unreachable(err):
             backend.health.mark_down(DOWN_COOLDOWN_S)

@@ -30,28 +30,23 @@ again by its settlement. Only a worker lost together with the database, within t
 """
 import json
 import logging
-import random
-import time
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-import gevent
 import psycopg
 import sqlalchemy as sa
 from gevent.event import Event
-from gevent.queue import Empty, Queue
 
-from ..billing import Usage, cost_usd, format_usd, to_nanos
+from ..billing import Usage, cost_nanos, format_usd
 from ..db import is_postgres
 from ..errors import InsufficientCredits, RateLimited, ServiceUnavailable
 from .postgres import PostgresStore
 from .sqlite import SqliteStore
+from .worker import Admitter, Renewer, SettlementWriter
 
 log = logging.getLogger(__name__)
 
 ADMIT_ATTEMPTS = 3
-MAX_BATCH = 256                # settlements committed in one transaction, at most
-RETRY_BACKOFF_S = (0.05, 2.0)  # first and longest wait between attempts of a failed write
 ABANDONED_ERROR = "lease expired: the worker serving this request was lost"
 
 
@@ -150,24 +145,18 @@ class Lease:
 class Ledger:
     """Admission, renewal, settlement and sweeping for one worker process.
 
-    Settlements are queued and committed by one writer greenlet, retried on any database error
-    until they commit; their leases stay renewed meanwhile. :meth:`drain` flushes the queue
-    (graceful shutdown).
+    Admissions and settlements of concurrent requests are grouped into few statements
+    (:mod:`.worker`); settlements are retried on any database error until they commit, and
+    their leases stay renewed meanwhile. :meth:`drain` waits for them (graceful shutdown).
     """
 
     def __init__(self, engine, config, catalog, metrics=None):
         self.store = PostgresStore(engine) if is_postgres(engine) else SqliteStore(engine)
         self.config = config
         self.catalog = catalog
-        self.metrics = metrics
-        self._queue = Queue()
-        self._live = {}         # gid -> Lease: renewed until its settlement commits
-        self._unflushed = []    # committed settlements whose WAL may not be on disk yet
-        self._flush_due = Event()
-        self._outstanding = 0   # settlements queued, being written, or not yet flushed
-        self._idle = Event()    # nothing outstanding
-        self._idle.set()
-        self._greenlets = []
+        self._admitter = Admitter(self.store)
+        self._renewer = Renewer(self.store, config.lease_ttl_s)
+        self._writer = SettlementWriter(self.store, metrics, on_committed=self._renewer.forget)
 
     # -- admission ---------------------------------------------------------------------------
 
@@ -183,7 +172,6 @@ class Ledger:
         :raises KeyLimitExceeded: 402, the key's spend limit does not cover the hold.
         :raises ServiceUnavailable: 503, the database is unreachable or too busy.
         """
-        self._start()
         reclaimed = False
         for _ in range(ADMIT_ATTEMPTS):
             row = self._admit_once(request)
@@ -203,7 +191,7 @@ class Ledger:
 
     def _admit_once(self, request):
         try:
-            return self.store.admit_once(request)
+            return self._admitter.admit(request)
         except sa.exc.TimeoutError as err:
             raise _database_busy() from err
         except (sa.exc.DBAPIError, psycopg.Error, OSError) as err:
@@ -218,7 +206,7 @@ class Ledger:
         """Start renewing the lease of ``gid`` until its settlement commits; return the
         :class:`Lease` (its ``lost`` event is set if the sweeper settles it first)."""
         lease = Lease(gid, progress)
-        self._live[gid] = lease
+        self._renewer.track(lease)
         return lease
 
     def settle(self, settlement, wait_s=0):
@@ -228,101 +216,17 @@ class Ledger:
 
         :returns: whether it committed within ``wait_s``.
         """
-        self._start()
-        self._outstanding += 1
-        self._idle.clear()
-        self._queue.put(settlement)
+        self._writer.put(settlement)
         return settlement.committed.wait(wait_s) if wait_s else False
 
     def drain(self, timeout_s):
         """Wait up to ``timeout_s`` for every queued settlement to commit and reach the disk;
         return whether all did (graceful shutdown)."""
-        return self._idle.wait(timeout_s)
-
-    def _start(self):
-        if not self._greenlets:
-            self._greenlets = [gevent.spawn(self._write_forever),
-                               gevent.spawn(self._flush_forever),
-                               gevent.spawn(self._renew_forever)]
-
-    def _write_forever(self):
-        while True:
-            batch = [self._queue.get()]
-            while len(batch) < MAX_BATCH:
-                try:
-                    batch.append(self._queue.get_nowait())
-                except Empty:
-                    break
-            token = self._write(batch)
-            self._unflushed.append((batch, token))
-            self._flush_due.set()
-
-    def _flush_forever(self):
-        """Wait for the WAL of committed settlements to reach the disk; settle them again if
-        the database lost them (it restarted before flushing)."""
-        while True:
-            self._flush_due.wait()
-            self._flush_due.clear()
-            pending, self._unflushed = self._unflushed, []
-            for batch, token in pending:
-                self._flush(batch, token)
-            if not self._outstanding:
-                self._idle.set()
-
-    def _flush(self, batch, token):
-        try:
-            self.store.wait_flushed(token)
-        except Exception:  # noqa: BLE001 - a settlement that may be lost is settled again
-            log.warning("%d settlement(s) may not have reached the database's disk before it "
-                        "restarted; settling them again (idempotent)", len(batch), exc_info=True)
-            for settlement in batch:
-                self._queue.put(settlement)
-            return
-        self._outstanding -= len(batch)
-
-    def _write(self, batch):
-        """Commit ``batch``, retrying with backoff on any database error until it commits."""
-        wait_s = RETRY_BACKOFF_S[0]
-        while True:
-            t0 = time.monotonic()
-            try:
-                debited, token = self.store.settle_batch(batch)
-                break
-            except Exception:  # noqa: BLE001 - the settlement guard: retried until it commits
-                log.warning("settlement of %d generation(s) failed; retrying in %.2f s",
-                            len(batch), wait_s, exc_info=True)
-                gevent.sleep(wait_s * random.uniform(0.5, 1.0))
-                wait_s = min(wait_s * 2, RETRY_BACKOFF_S[1])
-        if self.metrics is not None:
-            self.metrics.settlement.observe(time.monotonic() - t0)
-            self.metrics.settlement_batch.observe(len(batch))
-        for settlement in batch:
-            self._live.pop(settlement.gid, None)
-            if settlement.debited is None:  # settled again after a restart: keep the first
-                settlement.debited = debited.get(settlement.gid)
-            settlement.committed.set()
-        return token
-
-    def _renew_forever(self):
-        every_s = self.config.lease_ttl_s / 3
-        while True:
-            gevent.sleep(every_s)
-            if self._live:
-                self.renew_now()
+        return self._writer.wait_idle(timeout_s)
 
     def renew_now(self):
-        """Renew every live lease of this worker in one statement, recording progress; set
-        ``lost`` on those the sweeper settled. A failure is logged and retried next time."""
-        leases = list(self._live.values())
-        try:
-            states = self.store.renew([(lease.gid, lease.progress()) for lease in leases],
-                                      self.config.lease_ttl_s)
-        except Exception:  # noqa: BLE001 - renewal is retried at the next interval
-            log.warning("lease renewal of %d generation(s) failed", len(leases), exc_info=True)
-            return
-        for lease in leases:
-            if states.get(lease.gid) == "settled":
-                lease.lost.set()
+        """Renew this worker's live leases now (they are renewed every third of the TTL)."""
+        self._renewer.renew_now()
 
     # -- sweeper -----------------------------------------------------------------------------
 
@@ -345,7 +249,7 @@ class Ledger:
         usage = Usage(prompt=row["prompt_tokens"], cached=row["cached_tokens"],
                       completion=row["completion_tokens"], estimated=True)
         entry = self.catalog.get(row["model"])
-        cost = to_nanos(cost_usd(usage, entry.pricing)) if entry else 0
+        cost = cost_nanos(usage, entry.pricing) if entry else 0
         return Settlement(gid=row["gid"], org_id=row["org"], key_id=row["key"],
                           model=row["model"], stream=row["stream"], status="abandoned",
                           usage=usage, cost_nanos=cost, error=ABANDONED_ERROR,

@@ -96,6 +96,27 @@ BEGIN
                       NULL::bigint, NULL::timestamptz;
 END $$"""
 
+ADMIT_BATCH = """CREATE OR REPLACE FUNCTION kiln_admit_batch(p_batch jsonb)
+RETURNS TABLE (idx integer, gid text, started_at timestamptz, reason text, available bigint,
+               in_flight integer, expired boolean, key_remaining bigint,
+               period_start timestamptz)
+LANGUAGE plpgsql AS $$
+DECLARE
+  r record;
+BEGIN
+  -- The batch comes ordered by org: every batch takes org rows in the same order. A request
+  -- whose org has no balance row gets a row of NULLs.
+  FOR r IN SELECT (x.ordinality - 1)::integer AS i, x.value AS a
+             FROM jsonb_array_elements(p_batch) WITH ORDINALITY x LOOP
+    RETURN QUERY
+      SELECT r.i, k.* FROM kiln_admit(r.a->>'gid', (r.a->>'org')::integer,
+                                      (r.a->>'key')::integer, r.a->>'model',
+                                      (r.a->>'stream')::boolean, (r.a->>'hold')::bigint,
+                                      (r.a->>'limit')::integer, (r.a->>'ttl')::float8,
+                                      (r.a->>'key_checks')::boolean) k;
+  END LOOP;
+END $$"""
+
 SETTLE = """CREATE OR REPLACE FUNCTION kiln_settle(p_batch jsonb)
 RETURNS TABLE (gid text, debited bigint, xid xid8)
 LANGUAGE plpgsql AS $$
@@ -246,10 +267,11 @@ BEGIN
       FROM unnest(p_ids) AS i(id) LEFT JOIN usage_events e ON e.id = i.id;
 END $$"""
 
-FUNCTIONS = (PERIOD_START, ADMIT, SETTLE, RENEW)
+FUNCTIONS = (PERIOD_START, ADMIT, ADMIT_BATCH, SETTLE, RENEW)
 DROP = ("DROP FUNCTION IF EXISTS kiln_renew(text[], integer[], integer[], integer[], "
         "double precision)",
         "DROP FUNCTION IF EXISTS kiln_settle(jsonb)",
+        "DROP FUNCTION IF EXISTS kiln_admit_batch(jsonb)",
         "DROP FUNCTION IF EXISTS kiln_admit(text, integer, integer, text, boolean, bigint, "
         "integer, double precision, boolean)",
         "DROP FUNCTION IF EXISTS kiln_period_start(text, timestamptz)",
@@ -258,6 +280,7 @@ DROP = ("DROP FUNCTION IF EXISTS kiln_renew(text[], integer[], integer[], intege
 _ADMIT_CALL = ("SELECT * FROM kiln_admit(%s::text, %s::integer, %s::integer, %s::text, "
                "%s::boolean, %s::bigint, %s::integer, %s::float8, %s::boolean)")
 _SETTLE_CALL = "SELECT * FROM kiln_settle(%s::jsonb)"
+_ADMIT_BATCH_CALL = "SELECT * FROM kiln_admit_batch(%s::jsonb)"
 _RENEW_CALL = ("SELECT * FROM kiln_renew(%s::text[], %s::integer[], %s::integer[], "
                "%s::integer[], %s::float8)")
 _INSERT_LSN = "SELECT pg_current_wal_insert_lsn()"
@@ -315,6 +338,18 @@ class PostgresStore:
         rows = self._call(_ADMIT_CALL, (a.gid, a.org_id, a.key_id, a.model, a.stream, a.hold_nanos,
                                         a.in_flight_limit, a.lease_ttl_s, a.key_checks))
         return rows[0] if rows else None
+
+    def admit_batch(self, requests):
+        """Try once to admit each of ``requests``, in one statement; return their rows in
+        order (None where the org has no balance row)."""
+        if len(requests) == 1:
+            return [self.admit_once(requests[0])]
+        batch = json.dumps([{"gid": a.gid, "org": a.org_id, "key": a.key_id, "model": a.model,
+                             "stream": a.stream, "hold": a.hold_nanos,
+                             "limit": a.in_flight_limit, "ttl": a.lease_ttl_s,
+                             "key_checks": a.key_checks} for a in requests])
+        rows = {row[0]: tuple(row[1:]) for row in self._call(_ADMIT_BATCH_CALL, (batch,))}
+        return [rows.get(i) for i in range(len(requests))]
 
     def settle_batch(self, settlements):
         """Settle ``settlements`` in one transaction (not flushed yet: :meth:`wait_flushed`).

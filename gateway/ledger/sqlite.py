@@ -62,6 +62,10 @@ class SqliteStore:
                 expires_at=now + timedelta(seconds=a.lease_ttl_s)))
         return _row(gid=a.gid, started_at=now)
 
+    def admit_batch(self, requests):
+        """Admit each of ``requests`` in turn (SQLite runs one writer at a time)."""
+        return [self.admit_once(a) for a in requests]
+
     def _rejection(self, conn, a, now):
         bal = credit_balances.c
         row = conn.execute(sa.select(bal.balance_nanos - bal.held_nanos, bal.in_flight)
