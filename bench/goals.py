@@ -1,4 +1,4 @@
-"""The target table of issue 11: Kiln's ratios to its yardsticks, measured in one run.
+"""The target table: Kiln's ratios to its yardsticks, measured in one run.
 
 Every row is a ratio of two targets measured side by side in the same run (or a count), set
 against the issue's target, so that a run on a busy or slow machine still says whether Kiln

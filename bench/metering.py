@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Benchmark: what metering on Postgres costs per request (issue 4, "Benchmark").
+"""Benchmark: what metering on Postgres costs per request (README, "Metering").
 
 One run, side by side, against the fast fake upstream (``bench/fake_openai.py``, no delay):
 

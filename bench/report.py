@@ -232,7 +232,7 @@ def write_results(
         f"- Command: `{command}`",
         f"- Machine: {machine()}",
         "",
-        "## Targets (issue 11)",
+        "## Targets",
         "",
         *goal_lines,
         "",

@@ -29,7 +29,7 @@ every other round in reverse order; LiteLLM, slow to start, runs all its scenari
 a round, between two blocks. Every value reported is the median over the rounds. The bursts of
 open streams run once per target, after the rounds, each on a freshly started target.
 
-Prints the target table of issue 11 (the ratios, bench/goals.py) and the detailed table. A
+Prints the target table (the ratios, bench/goals.py) and the detailed table. A
 complete run writes bench/RESULTS.md (keeping its hand-written analysis); a quick or partial
 run writes RESULTS.md in its run directory instead, unless ``--results`` names a file. Logs and
 raw results go to ``$KILN_CACHE_DIR/bench/runs/<time>/`` (default ``~/.cache/kiln``).
@@ -416,7 +416,7 @@ def main(argv=None):
     goal_lines = goals.table(results, plan.open_counts, lite.version if lite else "")
     lines = report.table(scenarios, results, names)
     metering = report.metering_lines(results)
-    print("\nTargets (issue 11):\n" + "\n".join(goal_lines))
+    print("\nTargets:\n" + "\n".join(goal_lines))
     print("\n" + "\n".join(lines))
     if metering:
         print("\nKiln metering on vs off:\n" + "\n".join(metering))

@@ -263,7 +263,10 @@ class Generation:
                                     "completion_tokens": usage.completion,
                                     "completion_cap": self.chat.completion_cap}))
         p = self.principal
-        wait_s = self.services.config.settle_wait_s if outcome.status is Status.COMPLETED else 0
+        # The answer waits for the settlement (its slot and hold are free, its cost final,
+        # when the client reads it), unless nobody is left to read one.
+        wait_s = 0 if outcome.status is Status.CLIENT_CANCELLED else \
+            self.services.config.settle_wait_s
         settlement = Settlement(
             gid=self.gid, org_id=p.org_id, key_id=p.key_id, model=self.chat.entry.id,
             stream=self.chat.stream, status=outcome.status.value, usage=usage,

@@ -1,4 +1,4 @@
-"""Pricing and holds: exact Decimal arithmetic (DESIGN.md, Pricing)."""
+"""Pricing and holds: exact Decimal arithmetic (README, "Pricing")."""
 from decimal import Decimal
 
 import pytest

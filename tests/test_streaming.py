@@ -464,8 +464,8 @@ def test_stream_disconnect_before_the_upstream_answers_closes_it_and_bills_nothi
 def test_non_stream_disconnect_still_reads_and_bills_the_whole_reply(gateway, fake, org,
                                                                      engine):
     """A model server keeps generating a non-stream reply whose client left (llama-cpp-python
-    does): Kiln reads it to its end and bills its real usage (issue 10, "A settlement is never
-    lost")."""
+    does): Kiln reads it to its end and bills its real usage (docs/METERING.md, "A client
+    that leaves")."""
     fake.enqueue([Sleep(1.0)] + json_reply(chat_completion("late", usage=make_usage(8, 3))))
     raw = RawStream(gateway.base_url, org.key, {**stream_body(), "stream": False})
     fake.wait_for(lambda rs: rs, timeout=15)
