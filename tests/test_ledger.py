@@ -257,7 +257,7 @@ def test_a_late_real_settlement_corrects_the_sweepers_guess(ledger_db):
     assert ledger.sweep(org_id=org.id) == 1
     # the guess: 10 × 0.10 + 1 × 0.30 = 1.3 micro-dollars
     assert _event(engine, gid)[:2] == ("abandoned", 1_300)
-    debited, _token = ledger.store.settle_batch([_settlement(gid, org, key_id, 12, 40, 13_200)])
+    debited = ledger.store.settle_batch([_settlement(gid, org, key_id, 12, 40, 13_200)])
     assert debited == {gid: 13_200}
     assert _event(engine, gid) == ("completed", 13_200, 12, 40)
     with engine.connect() as conn:
@@ -270,14 +270,14 @@ def test_a_late_real_settlement_corrects_the_sweepers_guess(ledger_db):
         assert conn.execute(sa.text("SELECT period_spent_nanos FROM api_keys WHERE id = :k"),
                             {"k": key_id}).scalar_one() == 13_200
     # settled once: a second delivery of the same settlement changes nothing
-    assert ledger.store.settle_batch([_settlement(gid, org, key_id, 99, 99, 99_999)])[0] == {}
+    assert ledger.store.settle_batch([_settlement(gid, org, key_id, 99, 99, 99_999)]) == {}
     assert _event(engine, gid) == ("completed", 13_200, 12, 40)
 
 
 def test_an_admission_lost_in_a_crash_is_written_by_its_settlement(ledger_db):
     ledger, engine, org, key_id = ledger_db
     gid = "gen-" + uuid.uuid4().hex[:24]  # never admitted: the database lost it
-    debited, _ = ledger.store.settle_batch([_settlement(gid, org, key_id, 5, 5, 2_000)])
+    debited = ledger.store.settle_batch([_settlement(gid, org, key_id, 5, 5, 2_000)])
     assert debited == {gid: 2_000} and _event(engine, gid) == ("completed", 2_000, 5, 5)
     with engine.connect() as conn:
         assert conn.execute(sa.text("SELECT balance_nanos, held_nanos, in_flight FROM "

@@ -220,8 +220,8 @@ class Ledger:
         return settlement.committed.wait(wait_s) if wait_s else False
 
     def drain(self, timeout_s):
-        """Wait up to ``timeout_s`` for every queued settlement to commit and reach the disk;
-        return whether all did (graceful shutdown)."""
+        """Wait up to ``timeout_s`` for every queued settlement to commit; return whether all
+        did (graceful shutdown)."""
         return self._writer.wait_idle(timeout_s)
 
     def renew_now(self):
@@ -240,7 +240,7 @@ class Ledger:
         settlements = [self._abandoned(row) for row in rows]
         if not settlements:
             return 0
-        closed = len(self.store.settle_batch(settlements)[0])
+        closed = len(self.store.settle_batch(settlements))
         if closed:
             log.warning("sweeper closed %d abandoned generation(s)", closed)
         return closed

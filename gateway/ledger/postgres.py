@@ -7,7 +7,6 @@ need pgbouncer 1.21 or later (Kiln turns psycopg's off; ``gateway.db``). Row loc
 the order the package docstring gives.
 """
 import json
-import time
 
 import psycopg
 import sqlalchemy as sa
@@ -118,15 +117,15 @@ BEGIN
 END $$"""
 
 SETTLE = """CREATE OR REPLACE FUNCTION kiln_settle(p_batch jsonb)
-RETURNS TABLE (gid text, debited bigint, xid xid8)
+RETURNS TABLE (gid text, debited bigint)
 LANGUAGE plpgsql AS $$
 DECLARE
   v_now timestamptz := clock_timestamp();
   v_ids text[];
   v_lost text[];
 BEGIN
-  -- Not durable at once: the worker keeps the batch until the WAL is flushed (wait_flushed).
-  PERFORM set_config('synchronous_commit', 'off', true);
+  -- Durable: the commit waits for the disk (what a client is told it paid must survive a
+  -- crash of the database and of the worker together); batches share one flush.
   -- 1. The batch's events, locked in id order: pending ones, and ones the sweeper closed as
   --    abandoned while their worker was in fact alive (its real settlement corrects them).
   --    The sweeper's entries count only if their lease is still expired once the event is
@@ -237,7 +236,7 @@ BEGIN
                    completion_tokens = u.completion_tokens + EXCLUDED.completion_tokens,
                    cost_nanos = u.cost_nanos + EXCLUDED.cost_nanos
             RETURNING 1)
-  SELECT d.gid, d.debit, pg_current_xact_id() FROM d;
+  SELECT d.gid, d.debit FROM d;
 END $$"""
 
 RENEW = """CREATE OR REPLACE FUNCTION kiln_renew(
@@ -283,18 +282,12 @@ _SETTLE_CALL = "SELECT * FROM kiln_settle(%s::jsonb)"
 _ADMIT_BATCH_CALL = "SELECT * FROM kiln_admit_batch(%s::jsonb)"
 _RENEW_CALL = ("SELECT * FROM kiln_renew(%s::text[], %s::integer[], %s::integer[], "
                "%s::integer[], %s::float8)")
-_INSERT_LSN = "SELECT pg_current_wal_insert_lsn()"
-_FLUSHED = "SELECT pg_xact_status(%s::xid8), pg_current_wal_flush_lsn() >= %s::pg_lsn"
 _EXPIRED = """SELECT f.generation_id AS gid, e.org_id AS org, e.api_key_id AS key, e.model,
        e.stream, e.prompt_tokens, e.cached_tokens, e.completion_tokens, e.started_at,
        clock_timestamp() AS cutoff
   FROM in_flight f JOIN usage_events e ON e.id = f.generation_id
  WHERE f.expires_at < clock_timestamp() AND (%s::integer IS NULL OR f.org_id = %s::integer)
  LIMIT %s"""
-
-
-class SettlementLost(Exception):
-    """A committed settlement did not survive a database restart: settle it again."""
 
 
 class PostgresStore:
@@ -306,9 +299,8 @@ class PostgresStore:
     def __init__(self, engine):
         self.engine = engine
 
-    def _call(self, sql, params, then=None):
-        """Run one statement on a pooled connection; return its rows (and, with ``then``, the
-        rows of that second statement, on the same connection).
+    def _call(self, sql, params):
+        """Run one statement on a pooled connection; return its rows.
 
         A connection found broken is dropped from the pool (a database restart) and the error
         raised; callers retry.
@@ -322,11 +314,7 @@ class PostgresStore:
         try:
             with conn.cursor() as cur:
                 cur.execute(sql, params)
-                rows = cur.fetchall()
-                if then is None:
-                    return rows
-                cur.execute(then)
-                return rows, cur.fetchall()
+                return cur.fetchall()
         except psycopg.Error:
             conn.invalidate()
             raise
@@ -352,15 +340,10 @@ class PostgresStore:
         return [rows.get(i) for i in range(len(requests))]
 
     def settle_batch(self, settlements):
-        """Settle ``settlements`` in one transaction (not flushed yet: :meth:`wait_flushed`).
-
-        :returns: ``({gid: debited nano-dollars}, flush token)``; the token names the
-            transaction and a WAL position after its commit record (None: nothing written).
-        """
+        """Settle ``settlements`` in one durable transaction; return ``{gid: debited
+        nano-dollars}`` for those it settled (the others were settled before)."""
         batch = json.dumps([s.as_record() for s in settlements])
-        rows, ((lsn,),) = self._call(_SETTLE_CALL, (batch,), then=_INSERT_LSN)
-        token = (rows[0][2], lsn) if rows else None
-        return {gid: debited for gid, debited, _xid in rows}, token
+        return dict(self._call(_SETTLE_CALL, (batch,)))
 
     def renew(self, leases, lease_ttl_s):
         """Renew ``leases`` (with their progress); return ``{gid: state}``."""
@@ -371,28 +354,6 @@ class PostgresStore:
             cached.append(usage.cached if usage else 0)
             completion.append(usage.completion if usage else 0)
         return dict(self._call(_RENEW_CALL, (gids, prompt, cached, completion, lease_ttl_s)))
-
-    def wait_flushed(self, token, poll_s=0.02):
-        """Return once the settlement transaction named by ``token`` is on the database's disk:
-        committed, and the WAL flushed past it (the WAL writer does it within a few
-        ``wal_writer_delay``, 200 ms by default).
-
-        :raises SettlementLost: the database restarted without it (a crash before the flush).
-        :raises psycopg.Error: the database is unreachable (whether it kept it is unknown).
-        """
-        if token is None:
-            return
-        xid, lsn = token
-        while True:
-            try:
-                (status, flushed), = self._call(_FLUSHED, (str(xid), lsn))
-            except psycopg.errors.InvalidParameterValue as err:  # "in the future": crashed
-                raise SettlementLost(str(err)) from err
-            if status != "committed":
-                raise SettlementLost(f"transaction {xid} is {status} after a restart")
-            if flushed:
-                return
-            time.sleep(poll_s)
 
     def expired(self, org_id, limit):
         """Return rows of expired leases with their events' recorded progress."""

@@ -104,7 +104,7 @@ class SqliteStore:
                 cost = self._settle_one(conn, s)
                 if cost is not None:
                     debited[s.gid] = cost
-        return debited, None
+        return debited
 
     def _settle_one(self, conn, s):
         """Settle one generation (see ``kiln_settle``: pending ones, and abandoned ones whose
@@ -191,9 +191,6 @@ class SqliteStore:
                                .values(**{k: d[k] + v for k, v in add.items()})).rowcount
         if not changed:
             conn.execute(usage_daily.insert().values(**key, **add))
-
-    def wait_flushed(self, token):
-        """SQLite commits durably: nothing to wait for."""
 
     def renew(self, leases, lease_ttl_s):
         now, states = utcnow(), {}

@@ -3,9 +3,8 @@
 - :class:`Admitter`: the admissions that arrive while one is being decided go to the database
   together, in one statement (one lock of each org row, one commit); alone, a request is
   admitted at once.
-- :class:`SettlementWriter`: settlements are committed in batches, retried on any database
-  error until they commit, then kept until the database reports them on its disk (a batch lost
-  in a crash is settled again).
+- :class:`SettlementWriter`: settlements are committed in batches (one durable commit for
+  all of them), retried on any database error until they commit.
 - :class:`Renewer`: every live lease of the worker is renewed in one statement, with progress.
 
 No batch waits for a timer: each takes what is queued when the previous one is done, so at low
@@ -71,24 +70,21 @@ class Admitter:
 
 
 class SettlementWriter:
-    """Commits settlements in batches, retrying until they commit and reach the disk."""
+    """Commits settlements in batches, retrying each batch until it commits."""
 
     def __init__(self, store, metrics=None, on_committed=None):
         self.store = store
         self.metrics = metrics
         self.on_committed = on_committed  # gid -> None, once committed
         self._queue = Queue()
-        self._unflushed = []   # (batch, flush token): committed, maybe not on disk yet
-        self._flush_due = Event()
-        self._outstanding = 0  # queued, being written, or not yet flushed
+        self._outstanding = 0  # queued or being written
         self._idle = Event()
         self._idle.set()
-        self._greenlets = []
+        self._greenlet = None
 
     def put(self, settlement):
-        if not self._greenlets:
-            self._greenlets = [gevent.spawn(self._write_forever),
-                               gevent.spawn(self._flush_forever)]
+        if self._greenlet is None:
+            self._greenlet = gevent.spawn(self._write_forever)
         self._outstanding += 1
         self._idle.clear()
         self._queue.put(settlement)
@@ -100,9 +96,10 @@ class SettlementWriter:
     def _write_forever(self):
         while True:
             batch = _take(self._queue, self._queue.get())
-            token = self._write(batch)
-            self._unflushed.append((batch, token))
-            self._flush_due.set()
+            self._write(batch)
+            self._outstanding -= len(batch)
+            if not self._outstanding:
+                self._idle.set()
 
     def _write(self, batch):
         """Commit ``batch``, retrying with backoff on any database error until it commits."""
@@ -110,7 +107,7 @@ class SettlementWriter:
         while True:
             t0 = time.monotonic()
             try:
-                debited, token = self.store.settle_batch(batch)
+                debited = self.store.settle_batch(batch)
                 break
             except Exception:  # noqa: BLE001 - the settlement guard: retried until it commits
                 log.warning("settlement of %d generation(s) failed; retrying in %.2f s",
@@ -123,33 +120,8 @@ class SettlementWriter:
         for settlement in batch:
             if self.on_committed is not None:
                 self.on_committed(settlement.gid)
-            if settlement.debited is None:  # settled again after a restart: keep the first
-                settlement.debited = debited.get(settlement.gid)
+            settlement.debited = debited.get(settlement.gid)
             settlement.committed.set()
-        return token
-
-    def _flush_forever(self):
-        """Wait for the WAL of committed settlements to reach the disk; settle them again if
-        the database lost them (it restarted before flushing)."""
-        while True:
-            self._flush_due.wait()
-            self._flush_due.clear()
-            pending, self._unflushed = self._unflushed, []
-            for batch, token in pending:
-                self._flush(batch, token)
-            if not self._outstanding:
-                self._idle.set()
-
-    def _flush(self, batch, token):
-        try:
-            self.store.wait_flushed(token)
-        except Exception:  # noqa: BLE001 - a settlement that may be lost is settled again
-            log.warning("%d settlement(s) may not have reached the database's disk before it "
-                        "restarted; settling them again (idempotent)", len(batch), exc_info=True)
-            for settlement in batch:
-                self._queue.put(settlement)
-            return
-        self._outstanding -= len(batch)
 
 
 class Renewer:
