@@ -12,7 +12,7 @@ def create_app(config=None):
     :param config: a :class:`Config`, a mapping of Config field names, or None for the
         ``KILN_*`` environment.
     """
-    from . import account, catalog, chat, cors, metrics, openapi, ops, upstream
+    from . import account, catalog, chat, cors, intake, metrics, openapi, ops, upstream
     from .completions import Services
     from .db import create_engine
     from .errors import register_error_handlers
@@ -33,6 +33,8 @@ def create_app(config=None):
     app.extensions.update({
         "kiln": services, "kiln.engine": engine, "kiln.catalog": services.catalog,
         "kiln.metrics": services.metrics, "kiln.key_cache": {}, "kiln.maintenance": {},
+        "kiln.unknown_keys": {},
+        "kiln.parse_budget": intake.ParseBudget(config.parse_budget_bytes, config.parse_wait_s),
     })
     register_error_handlers(app)
     for blueprint in (chat.bp, catalog.bp, account.bp):

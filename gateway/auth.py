@@ -2,6 +2,8 @@
 
 Keys are random, shown once, stored as SHA-256 plus a short display prefix. Lookups are cached
 per process for ``KILN_KEY_CACHE_TTL_S`` seconds, so a revocation takes effect within that time.
+A key found unknown is remembered as unknown for ``KILN_UNKNOWN_KEY_CACHE_TTL_S`` seconds, so a
+client repeating a bad key costs no database query per request; both caches are bounded in size.
 """
 import functools
 import hashlib
@@ -119,18 +121,33 @@ def authenticate():
 def _cached_lookup(key):
     config = current_app.config["KILN"]
     cache = current_app.extensions["kiln.key_cache"]
+    unknown = current_app.extensions["kiln.unknown_keys"]
     digest = hash_key(key)
     now = time.monotonic()
     hit = cache.get(digest)
     if hit is not None and hit[0] > now:
         return hit[1]
+    if unknown.get(digest, 0.0) > now:
+        return None
     principal = lookup(current_app.extensions["kiln.engine"], key,
                        config.default_in_flight_limit)
-    if len(cache) >= _CACHE_MAX:
-        cache.clear()
     if principal is not None:
-        cache[digest] = (now + config.key_cache_ttl_s, principal)
+        _remember(cache, digest, (now + config.key_cache_ttl_s, principal), now)
+        unknown.pop(digest, None)
+    elif config.unknown_key_cache_ttl_s > 0:
+        _remember(unknown, digest, now + config.unknown_key_cache_ttl_s, now)
     return principal
+
+
+def _remember(cache, digest, entry, now):
+    """Store ``entry`` under ``digest``; a full cache first drops its expired entries, and is
+    emptied if none has expired (a flood of distinct keys cannot grow it past the bound)."""
+    if len(cache) >= _CACHE_MAX:
+        for stale in [d for d, e in cache.items() if (e[0] if isinstance(e, tuple) else e) <= now]:
+            del cache[stale]
+        if len(cache) >= _CACHE_MAX:
+            cache.clear()
+    cache[digest] = entry
 
 
 def require_key(view):

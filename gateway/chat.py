@@ -2,10 +2,11 @@
 
 The endpoint reference is the contract; README "API" gives the order: auth, validation,
 maintenance, admission, backend, relay, settlement (the last four in :mod:`gateway.completions`).
+Reading and parsing the body are bounded in time and memory (:mod:`gateway.intake`).
 """
 from flask import Blueprint, current_app, g, request
 
-from . import completions, ops
+from . import completions, intake, ops
 from .auth import require_key
 from .errors import Forbidden, InvalidRequest, PayloadTooLarge
 from .validation import parse_json_body, validate_chat
@@ -18,7 +19,7 @@ bp = Blueprint("chat", __name__)
 def chat_completions():
     """Create a chat completion, metered and billed; JSON or an SSE stream."""
     services = current_app.extensions["kiln"]
-    body, body_bytes = _read_body(services.config)
+    body, body_bytes = _read_body(services.config, current_app.extensions["kiln.parse_budget"])
     chat = validate_chat(body, services.catalog, body_bytes)
     if not g.principal.may_use(chat.entry.id):
         raise Forbidden(f"This API key may not use model '{chat.entry.id}'.", param="model",
@@ -27,13 +28,32 @@ def chat_completions():
     return completions.respond(services, g.principal, chat, request.environ)
 
 
-def _read_body(config):
+def _read_body(config, budget):
     length = request.content_length
     if length is not None and length > config.max_body_bytes:
         raise PayloadTooLarge(f"Request body is larger than {config.max_body_bytes} bytes.")
-    raw = request.stream.read(config.max_body_bytes + 1) if length is None else request.get_data()
+    if length is None or length < intake.INLINE_BYTES:
+        raw = _receive(config, length)
+        return _parse(config, budget, raw), len(raw)
+    with budget.share(length):  # the body's bytes and its parse count against the budget
+        raw = _receive(config, length)
+        return _parse(config, budget, raw), len(raw)
+
+
+def _receive(config, length):
+    raw = intake.read_body(lambda: request.stream.read(config.max_body_bytes + 1)
+                           if length is None else request.get_data(), config.body_timeout_s)
     if length is not None and len(raw) < length:
         # The client went away mid-body: whatever parses from the part received was not sent.
         raise InvalidRequest(f"Request body ended after {len(raw)} of the {length} bytes "
                              f"announced by Content-Length.", code="incomplete_body")
-    return parse_json_body(raw, request.content_type, config.max_body_bytes), len(raw)
+    return raw
+
+
+def _parse(config, budget, raw):
+    if len(raw) >= intake.INLINE_BYTES and request.content_length is None:
+        with budget.share(len(raw)):  # a body of unknown length: held by its real size
+            return intake.parse(budget, raw, parse_json_body, request.content_type,
+                                config.max_body_bytes)
+    return intake.parse(budget, raw, parse_json_body, request.content_type,
+                        config.max_body_bytes)

@@ -45,6 +45,14 @@ class Config:
     # Browser origins allowed to call the API (comma-separated, or "*"); empty: CORS off.
     cors_origins: str = ""
     log_requests: bool = True
+    # Bounded work before admission (gateway/intake.py, gateway/auth.py): the longest a request
+    # body may take to arrive (408); the bytes of large bodies one worker reads and parses at
+    # once, and the longest wait for a share of them (then 503 with Retry-After); how long an
+    # unknown key is remembered as unknown (no database query for it meanwhile).
+    body_timeout_s: float = 30.0
+    parse_budget_bytes: int = 32 * 1024 * 1024
+    parse_wait_s: float = 2.0
+    unknown_key_cache_ttl_s: float = 5.0
 
     @classmethod
     def from_mapping(cls, values=None):
