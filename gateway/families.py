@@ -56,13 +56,17 @@ class Family:
 
 def _assistant(message):
     """Drop what only OpenAI's own platform reads (``refusal``, ``audio`` references); send a
-    deprecated ``function_call`` as a tool call; a refusal part becomes text."""
+    deprecated ``function_call`` as a tool call; a refusal part becomes text. A reply that was
+    only a refusal or an audio reference keeps its turn: the refusal (or nothing) as content,
+    since model servers' chat templates read an assistant turn's text from ``content``."""
     out = {k: v for k, v in message.items() if k not in ("refusal", "audio", "function_call")}
     call = message.get("function_call")
     if call is not None:
         out["tool_calls"] = list(out.get("tool_calls") or ()) + [
             {"id": call["name"], "type": "function",
              "function": {"name": call["name"], "arguments": call.get("arguments", "")}}]
+    if out.get("content") is None and not out.get("tool_calls"):
+        out["content"] = message.get("refusal") or ""
     content = out.get("content")
     if isinstance(content, list):
         out["content"] = [{"type": "text", "text": p["refusal"]} if p.get("type") == "refusal"

@@ -10,7 +10,10 @@ no backend, writes nothing and charges nothing. The other parameters are checked
 """
 import json
 import math
+import re
 from dataclasses import dataclass, field
+
+import gevent
 
 from . import images, parameters
 from .errors import InvalidRequest, ModelNotFound, PayloadTooLarge, UnsupportedParameter
@@ -20,6 +23,9 @@ from .metering import prompt_bound
 # above context_window x this cannot fit the window.
 MAX_BYTES_PER_TOKEN = 64
 MAX_DEPTH = 64  # nesting of arrays and objects in a body (tool schemas nest; nothing needs more)
+# A body of many messages is checked in slices this long, letting the worker's other requests
+# run in between (gateway/intake.py: bounded work before admission).
+YIELD_EVERY = 1024
 # Content part types each role may send (OpenAI chat API), and the member carrying each part.
 PART_FIELDS = {"text": "text", "image_url": "image_url", "input_audio": "input_audio",
                "file": "file", "refusal": "refusal"}
@@ -71,12 +77,13 @@ class ChatRequest:
 def parse_json_body(raw, content_type, max_body_bytes):
     """Parse the raw request body into a dict.
 
-    Numbers must be finite (``1e400`` and ``NaN`` are refused, RFC 8259 has neither) and
-    nesting is bounded (:data:`MAX_DEPTH`).
+    Numbers must be finite and in range anywhere in the body (``1e400``, ``NaN`` and integers
+    beyond 64 bits are refused: RFC 8259 has no NaN or Infinity, and a model server could not
+    read them), and nesting is bounded (:data:`MAX_DEPTH`); both errors name the ``param``.
 
     :raises PayloadTooLarge: over ``max_body_bytes`` (413).
     :raises InvalidRequest: not ``application/json``, empty, not JSON, not an object, a
-        non-finite number or nested too deeply (400).
+        non-finite or out-of-range number, or nested too deeply (400).
     """
     if len(raw) > max_body_bytes:
         raise PayloadTooLarge(f"Request body is larger than {max_body_bytes} bytes.")
@@ -85,30 +92,47 @@ def parse_json_body(raw, content_type, max_body_bytes):
         raise InvalidRequest("Content-Type must be application/json.", code="invalid_content_type")
     if not raw.strip():
         raise InvalidRequest("Request body is empty: send a JSON object.", code="invalid_json")
+    suspect = []  # a non-finite number was read; found again, with its path, after the parse
     try:
-        body = json.loads(raw, parse_constant=_reject_constant, parse_float=_finite_float)
+        body = json.loads(raw, parse_constant=lambda name: _suspect(suspect, float(name)),
+                          parse_float=lambda text: _suspect(suspect, float(text)))
     except RecursionError as err:
-        raise _too_deep() from err
+        raise _too_deep(raw) from err
     except (ValueError, UnicodeDecodeError) as err:
         raise InvalidRequest(f"Request body is not valid JSON: {err}", code="invalid_json") from err
     if not isinstance(body, dict):
         raise InvalidRequest("Request body must be a JSON object.", code="invalid_json")
-    check_depth(body)
+    check_depth(body, raw)
+    if suspect or _LONG_INTEGER.search(raw if isinstance(raw, bytes) else raw.encode()):
+        _check_numbers(body, "")
     return body
 
 
-def _reject_constant(name):
-    raise ValueError(f"{name} is not a JSON number")
+_LONG_INTEGER = re.compile(rb"\d{19}")  # only then can an integer be beyond 64 bits
+_INT_RANGE = (-2**63, 2**64 - 1)
 
 
-def _finite_float(text):
-    value = float(text)
+def _suspect(found, value):
     if not math.isfinite(value):
-        raise ValueError(f"the number {text[:40]} is out of range")
+        found.append(value)
     return value
 
 
-def check_depth(value, limit=MAX_DEPTH):
+def _check_numbers(value, path):
+    """Raise 400 naming the first number under ``value`` that is not finite or in range."""
+    if isinstance(value, dict):
+        for key, child in value.items():
+            _check_numbers(child, f"{path}.{key}" if path else str(key))
+    elif isinstance(value, list):
+        for i, child in enumerate(value):
+            _check_numbers(child, f"{path}[{i}]")
+    elif isinstance(value, float) and not math.isfinite(value) or (
+            type(value) is int and not _INT_RANGE[0] <= value <= _INT_RANGE[1]):
+        raise InvalidRequest(f"Invalid '{path[:200]}': every number must be finite and "
+                             f"within 64 bits.", param=path[:200], code="invalid_value")
+
+
+def check_depth(value, raw=b"", limit=MAX_DEPTH):
     """Raise 400 if ``value`` nests arrays and objects deeper than ``limit``."""
     level = [value]
     for _ in range(limit):
@@ -117,12 +141,40 @@ def check_depth(value, limit=MAX_DEPTH):
                  if isinstance(child, (dict, list))]
         if not level:
             return
-    raise _too_deep()
+    raise _too_deep(raw)
 
 
-def _too_deep():
+_TOKEN = re.compile(rb'"(?:[^"\\]|\\.)*"|[\[\]{}]')
+
+
+def _deep_member(raw):
+    """Return the top-level member of ``raw`` (JSON text) that nests past :data:`MAX_DEPTH`,
+    found by scanning its strings and brackets, or None."""
+    depth, last_string, member = 0, None, None
+    for token in _TOKEN.finditer(raw if isinstance(raw, bytes) else raw.encode()):
+        text = token.group()
+        if text[:1] == b'"':
+            last_string = text if depth == 1 else last_string
+        elif text in (b"[", b"{"):
+            member = last_string if depth == 1 else member
+            depth += 1
+            if depth > MAX_DEPTH:  # the body object itself is the first level
+                return _member_name(member)
+        else:
+            depth -= 1
+    return None
+
+
+def _member_name(token):
+    try:
+        return json.loads(token)[:200] if token else None
+    except ValueError:
+        return None
+
+
+def _too_deep(raw):
     return InvalidRequest(f"Request body is nested more than {MAX_DEPTH} levels deep.",
-                          code="invalid_json")
+                          param=_deep_member(raw), code="invalid_json")
 
 
 def validate_chat(body, catalog, body_bytes):
@@ -135,17 +187,24 @@ def validate_chat(body, catalog, body_bytes):
     """
     entry = _model(body, catalog)
     messages = body.get("messages")
+    if "image" not in entry.input:  # text only: the size alone decides, before any message
+        _check_fits(entry, body_bytes)
     has_images = _messages(messages, entry)
-    if not has_images and body_bytes > entry.context_window * MAX_BYTES_PER_TOKEN:
+    if not has_images:
+        _check_fits(entry, body_bytes)
+    checked = parameters.check(body, entry)
+    return ChatRequest(entry=entry, messages=messages, body_bytes=body_bytes,
+                       has_images=has_images, conversation_key=_conversation_key(messages),
+                       **checked)
+
+
+def _check_fits(entry, body_bytes):
+    if body_bytes > entry.context_window * MAX_BYTES_PER_TOKEN:
         # Certain to overflow the context window: refused here rather than after the model
         # server has spent its time tokenizing it (a single-slot server stalls for everyone).
         raise InvalidRequest(f"The request ({body_bytes} bytes) cannot fit model "
                              f"'{entry.id}''s context window of {entry.context_window} tokens.",
                              param="messages", code="context_length_exceeded")
-    checked = parameters.check(body, entry)
-    return ChatRequest(entry=entry, messages=messages, body_bytes=body_bytes,
-                       has_images=has_images, conversation_key=_conversation_key(messages),
-                       **checked)
 
 
 def _model(body, catalog):
@@ -174,6 +233,8 @@ def _messages(messages, entry):
     has_images = False
     for i, message in enumerate(messages):
         has_images |= _message(i, message, entry)
+        if i % YIELD_EVERY == YIELD_EVERY - 1:
+            gevent.sleep(0)
     return has_images
 
 

@@ -1,0 +1,261 @@
+#!/usr/bin/env python3
+"""Isolation: does a flood of bad requests from one client slow another org's requests?
+
+Starts its own Postgres database, the scripted fake upstream (tests/fake_upstream.py) and one
+gunicorn master with ``--workers`` gevent workers (default 1, so the flood and the victim share
+one event loop: the hard case). A victim org sends small non-stream chat requests one after
+another, first alone, then while a flooder sends, each from its own threads:
+
+- ``unknown-key``: requests with a key that does not exist (the same key over and over);
+- ``huge-body``: 16 MiB bodies of many small JSON values (the slowest kind to parse), with the
+  flooder's own valid key;
+- ``slow-body``: connections that announce a body and trickle it one byte a second (valid key).
+
+It prints the victim's latency alone and under the flood (p50, p99, max), the ratio of the p99s,
+what the flood's requests were answered, and the workers' peak memory. ``--root`` runs another
+checkout's gateway (e.g. the main branch, for a before/after figure) with this harness.
+
+    .venv/bin/python bench/isolation.py [--root DIR] [--requests 300] [--workers 1]
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import requests
+import sqlalchemy as sa
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent / "tests")]
+
+from fake_upstream import FakeUpstream  # noqa: E402
+from gateway_proc import create_database, drop_database, free_port, make_org, migrate  # noqa: E402
+from procstat import tree_rss_kb  # noqa: E402
+
+CATALOG = """
+[[models]]
+id = "fake-model"
+context_window = 8192
+max_output_tokens = 1024
+input = ["text"]
+pricing = {{ input = "0.10", cached_input = "0.05", output = "0.30" }}
+backends = [{{ url = "{url}", model = "upstream-fake" }}]
+"""
+SMALL = json.dumps({"model": "fake-model", "max_tokens": 16,
+                    "messages": [{"role": "user", "content": "Say hello"}]}).encode()
+MiB = 1024 * 1024
+
+
+def huge_body(size=16 * MiB - 4096):
+    """A body of just under ``size`` bytes: many tiny messages (the costliest JSON to parse)."""
+    one = b'{"role":"user","content":"x"},'
+    count = (size - 64) // len(one)
+    return b'{"model":"fake-model","messages":[' + one * count + b'{"role":"user","content":"x"}]}'
+
+
+class Gunicorn:
+    """gunicorn serving ``gateway.wsgi:app`` from ``root`` with the shipped settings."""
+
+    def __init__(self, root, env, workers):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.env = {**os.environ, **env, "PYTHONPATH": str(root), "KILN_WORKERS": str(workers),
+                    "KILN_BIND": f"127.0.0.1:{self.port}", "KILN_LOG_REQUESTS": "false",
+                    "PROMETHEUS_MULTIPROC_DIR": tempfile.mkdtemp(prefix="kiln-iso-")}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "gunicorn", "-c", str(root / "deploy" / "gunicorn.conf.py"),
+             "gateway.wsgi:app"], cwd=root, env=self.env, stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL)
+        self._wait_healthy()
+
+    def _wait_healthy(self):
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                if requests.get(self.url + "/healthz", timeout=1).ok:
+                    return
+            except requests.RequestException:
+                time.sleep(0.1)
+        raise RuntimeError("gunicorn did not become healthy")
+
+    def stop(self):
+        self.proc.terminate()
+        self.proc.wait(30)
+
+
+def victim(url, key, count, budget_s):
+    """Send ``count`` small requests one after another (fewer if ``budget_s`` runs out);
+    return their latencies (seconds) and statuses."""
+    session, latencies, statuses = requests.Session(), [], collections.Counter()
+    headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+    deadline = time.monotonic() + budget_s
+    while len(latencies) < count and time.monotonic() < deadline:
+        start = time.perf_counter()
+        r = session.post(url + "/v1/chat/completions", data=SMALL, headers=headers, timeout=60)
+        latencies.append(time.perf_counter() - start)
+        statuses[r.status_code] += 1
+    return latencies, statuses
+
+
+class Flood:
+    """Bad requests from one client, in threads, until stopped; answers counted by kind."""
+
+    def __init__(self, url, key, unknown=4, huge=2, slow=20):
+        self.url, self.key, self.stop_event = url, key, threading.Event()
+        self.answers = collections.Counter()
+        self._lock = threading.Lock()
+        self._huge = huge_body()
+        kinds = [self._unknown_key] * unknown + [self._huge_body] * huge + [self._slow] * slow
+        self.threads = [threading.Thread(target=self._loop, args=(k,), daemon=True)
+                        for k in kinds]
+
+    def __enter__(self):
+        for t in self.threads:
+            t.start()
+        time.sleep(1.0)  # the flood is under way before the victim measures
+        return self
+
+    def __exit__(self, *exc):
+        self.stop_event.set()
+        for t in self.threads:
+            t.join(60)
+
+    def _loop(self, send):
+        session = requests.Session()
+        while not self.stop_event.is_set():
+            try:
+                answer = send(session)
+            except (requests.RequestException, OSError) as err:
+                answer = type(err).__name__
+            with self._lock:
+                self.answers[f"{send.__name__.strip('_')}: {answer}"] += 1
+
+    def _post(self, session, data, key):
+        r = session.post(self.url + "/v1/chat/completions", data=data, timeout=60,
+                         headers={"Authorization": f"Bearer {key}",
+                                  "Content-Type": "application/json"})
+        return r.status_code
+
+    def _unknown_key(self, session):
+        return self._post(session, SMALL, "kiln-unknownkeyunknownkeyunknownkey000000000000")
+
+    def _huge_body(self, session):
+        return self._post(session, self._huge, self.key)
+
+    def _slow(self, _session):
+        """Announce 1,000 bytes and send one a second; return how the server ended it."""
+        host, port = self.url.rsplit("/", 1)[-1].split(":")
+        with socket.create_connection((host, int(port)), timeout=120) as sock:
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                         b"Content-Type: application/json\r\nContent-Length: 1000\r\n"
+                         b"Authorization: Bearer " + self.key.encode() + b"\r\n\r\n")
+            for _ in range(1000):
+                if self.stop_event.wait(1.0):
+                    return "stopped"
+                try:
+                    sock.sendall(b" ")
+                except OSError:
+                    return "closed"
+            return sock.recv(64).split(b"\r\n")[0].decode(errors="replace") or "closed"
+
+
+def summary(latencies):
+    ordered = sorted(latencies)
+    p99 = ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))]
+    return {"n": len(ordered), "p50_ms": round(statistics.median(ordered) * 1000, 1),
+            "p99_ms": round(p99 * 1000, 1), "max_ms": round(ordered[-1] * 1000, 1)}
+
+
+class RssSampler(threading.Thread):
+    """Peak summed RSS of a process tree, sampled every 50 ms."""
+
+    def __init__(self, pid):
+        super().__init__(daemon=True)
+        self.pid, self.peak_kb, self.stop_event = pid, 0, threading.Event()
+
+    def run(self):
+        while not self.stop_event.wait(0.05):
+            self.peak_kb = max(self.peak_kb, tree_rss_kb([self.pid]))
+
+
+def measure(args, gw, org, flooder):
+    baseline, _ = victim(gw.url, org.key, args.requests, args.budget)
+    base_rss = tree_rss_kb([gw.proc.pid])
+    sampler = RssSampler(gw.proc.pid)
+    sampler.start()
+    with Flood(gw.url, flooder.key) as flood:
+        loaded, statuses = victim(gw.url, org.key, args.requests, args.budget)
+    sampler.stop_event.set()
+    return {"alone": summary(baseline), "flood": summary(loaded),
+            "victim_statuses": dict(statuses), "flood_answers": dict(sorted(flood.answers.items())),
+            "rss_mib": {"before": round(base_rss / 1024), "peak": round(sampler.peak_kb / 1024)}}
+
+
+def print_table(result):
+    alone, flood = result["alone"], result["flood"]
+    ratio = flood["p99_ms"] / alone["p99_ms"]
+    print("| victim | requests | p50 ms | p99 ms | max ms |\n|---|---|---|---|---|")
+    for name, row in (("alone", alone), ("under the flood", flood)):
+        print(f"| {name} | {row['n']} | {row['p50_ms']} | {row['p99_ms']} | {row['max_ms']} |")
+    print(f"\np99 ratio (flood / alone): {ratio:.2f}x")
+    print(f"victim answers: {result['victim_statuses']}")
+    print(f"flood answers: {result['flood_answers']}")
+    print(f"workers' RSS: {result['rss_mib']['before']} MiB before, "
+          f"{result['rss_mib']['peak']} MiB peak under the flood")
+    return ratio
+
+
+def run(args):
+    name = f"kiln_isolation_{uuid.uuid4().hex[:8]}"
+    url = create_database(name)
+    migrate(url)
+    engine = sa.create_engine(url)
+    try:
+        with FakeUpstream() as fake, tempfile.TemporaryDirectory() as tmp:
+            catalog = Path(tmp) / "models.toml"
+            catalog.write_text(CATALOG.format(url=fake.base_url))
+            gw = Gunicorn(args.root, {"KILN_DATABASE_URL": url, "KILN_MODELS": str(catalog),
+                                      "KILN_BODY_TIMEOUT_S": str(args.body_timeout)},
+                          args.workers)
+            try:
+                return measure(args, gw, make_org(engine, "victim", usd="1000"),
+                               make_org(engine, "flooder", usd="1000", limit=1000))
+            finally:
+                gw.stop()
+    finally:
+        engine.dispose()
+        drop_database(name)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--root", type=Path, default=HERE.parent,
+                        help="checkout whose gateway runs (default: this one)")
+    parser.add_argument("--requests", type=int, default=300)
+    parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument("--budget", type=float, default=90.0,
+                        help="seconds each victim phase may take at most (default 90)")
+    parser.add_argument("--body-timeout", type=float, default=10.0,
+                        help="KILN_BODY_TIMEOUT_S for the run (default 10)")
+    parser.add_argument("--json", action="store_true", help="also print the result as JSON")
+    args = parser.parse_args(argv)
+    result = run(args)
+    ratio = print_table(result)
+    if args.json:
+        print(json.dumps(result))
+    return 0 if ratio <= 2.0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
