@@ -9,7 +9,7 @@ from flask import Blueprint, current_app, g, request
 from . import completions, intake, ops
 from .auth import require_key
 from .errors import Forbidden, InvalidRequest, PayloadTooLarge
-from .validation import parse_json_body, validate_chat
+from .validation import parse_json_body, refuse_unfit_before_parsing, validate_chat
 
 bp = Blueprint("chat", __name__)
 
@@ -19,7 +19,7 @@ bp = Blueprint("chat", __name__)
 def chat_completions():
     """Create a chat completion, metered and billed; JSON or an SSE stream."""
     services = current_app.extensions["kiln"]
-    body, body_bytes = _read_body(services.config, current_app.extensions["kiln.parse_budget"])
+    body, body_bytes = _read_body(services, current_app.extensions["kiln.parse_budget"])
     chat = validate_chat(body, services.catalog, body_bytes)
     if not g.principal.may_use(chat.entry.id):
         raise Forbidden(f"This API key may not use model '{chat.entry.id}'.", param="model",
@@ -28,16 +28,21 @@ def chat_completions():
     return completions.respond(services, g.principal, chat, request.environ)
 
 
-def _read_body(config, budget):
-    length = request.content_length
+def _read_body(services, budget):
+    """Read and parse the body, within the bounds of :mod:`gateway.intake`; return
+    ``(body, size in bytes)``."""
+    config, length = services.config, request.content_length
     if length is not None and length > config.max_body_bytes:
         raise PayloadTooLarge(f"Request body is larger than {config.max_body_bytes} bytes.")
-    if length is None or length < intake.INLINE_BYTES:
-        raw = _receive(config, length)
-        return _parse(config, budget, raw), len(raw)
-    with budget.share(length):  # the body's bytes and its parse count against the budget
-        raw = _receive(config, length)
-        return _parse(config, budget, raw), len(raw)
+    if length is not None and length >= intake.INLINE_BYTES:
+        with budget.share(length):  # taken before the first byte is read
+            raw = _receive(config, length)
+            return _parse(services, budget, raw), len(raw)
+    raw = _receive(config, length)
+    if len(raw) < intake.INLINE_BYTES:
+        return _parse(services, budget, raw), len(raw)
+    with budget.share(len(raw)):  # a large body of unknown length: held by its real size
+        return _parse(services, budget, raw), len(raw)
 
 
 def _receive(config, length):
@@ -50,10 +55,8 @@ def _receive(config, length):
     return raw
 
 
-def _parse(config, budget, raw):
-    if len(raw) >= intake.INLINE_BYTES and request.content_length is None:
-        with budget.share(len(raw)):  # a body of unknown length: held by its real size
-            return intake.parse(budget, raw, parse_json_body, request.content_type,
-                                config.max_body_bytes)
+def _parse(services, budget, raw):
+    if intake.INLINE_BYTES <= len(raw) <= services.config.max_body_bytes:
+        refuse_unfit_before_parsing(raw, services.catalog)  # cheaper than any parse
     return intake.parse(budget, raw, parse_json_body, request.content_type,
-                        config.max_body_bytes)
+                        services.config.max_body_bytes)

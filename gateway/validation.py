@@ -198,6 +198,26 @@ def validate_chat(body, catalog, body_bytes):
                        **checked)
 
 
+_MODEL_MEMBER = re.compile(rb'"model"\s*:\s*"([^"\\]{1,256})"')
+
+
+def refuse_unfit_before_parsing(raw, catalog):
+    """Refuse a body too large for its text-only model's context window before it is parsed.
+
+    Inside a JSON string a quote is always escaped, so ``"model":`` in the raw text is a
+    member name; when it occurs exactly once it is the body's own ``model`` (else this check
+    leaves the body to the parse and :func:`validate_chat`).
+
+    :raises InvalidRequest: 400 ``context_length_exceeded``.
+    """
+    if raw.count(b'"model"') != 1:
+        return
+    match = _MODEL_MEMBER.search(raw)
+    entry = catalog.get(match.group(1).decode("utf-8", "replace")) if match else None
+    if entry is not None and "image" not in entry.input:
+        _check_fits(entry, len(raw))
+
+
 def _check_fits(entry, body_bytes):
     if body_bytes > entry.context_window * MAX_BYTES_PER_TOKEN:
         # Certain to overflow the context window: refused here rather than after the model
