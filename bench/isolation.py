@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import multiprocessing
 import os
 import socket
 import statistics
@@ -109,29 +110,52 @@ def victim(url, key, count, budget_s):
 
 
 class Flood:
-    """Bad requests from one client, in threads, until stopped; answers counted by kind."""
+    """Bad requests from one client, until stopped; answers counted by kind.
 
-    def __init__(self, url, key, unknown=4, huge=2, slow=20):
-        self.url, self.key, self.stop_event = url, key, threading.Event()
-        self.answers = collections.Counter()
-        self._lock = threading.Lock()
-        self._huge = huge_body()
-        kinds = [self._unknown_key] * unknown + [self._huge_body] * huge + [self._slow] * slow
-        self.threads = [threading.Thread(target=self._loop, args=(k,), daemon=True)
-                        for k in kinds]
+    The flood runs in a process of its own, so that its threads do not slow the victim's
+    client (the GIL): only the gateway is shared.
+    """
+
+    def __init__(self, url, key):
+        self.stop_event = multiprocessing.Event()
+        self._results = multiprocessing.Queue()
+        self._process = multiprocessing.Process(
+            target=_flood_main, args=(url, key, self.stop_event, self._results), daemon=True)
+        self.answers = {}
 
     def __enter__(self):
-        for t in self.threads:
-            t.start()
+        self._process.start()
         time.sleep(1.0)  # the flood is under way before the victim measures
         return self
 
     def __exit__(self, *exc):
         self.stop_event.set()
-        for t in self.threads:
-            t.join(60)
+        self.answers = self._results.get(timeout=120)
+        self._process.join(30)
 
-    def _loop(self, send):
+
+def _flood_main(url, key, stop_event, results, unknown=4, huge=2, slow=20):
+    senders = Senders(url, key, stop_event)
+    kinds = ([senders.unknown_key] * unknown + [senders.huge_body] * huge
+             + [senders.slow_body] * slow)
+    threads = [threading.Thread(target=senders.loop, args=(k,), daemon=True) for k in kinds]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    results.put(dict(sorted(senders.answers.items())))
+
+
+class Senders:
+    """The flood's three kinds of bad request, each sent in a loop until ``stop_event``."""
+
+    def __init__(self, url, key, stop_event):
+        self.url, self.key, self.stop_event = url, key, stop_event
+        self.answers = collections.Counter()
+        self._lock = threading.Lock()
+        self._huge = huge_body()
+
+    def loop(self, send):
         session = requests.Session()
         while not self.stop_event.is_set():
             try:
@@ -139,7 +163,7 @@ class Flood:
             except (requests.RequestException, OSError) as err:
                 answer = type(err).__name__
             with self._lock:
-                self.answers[f"{send.__name__.strip('_')}: {answer}"] += 1
+                self.answers[f"{send.__name__}: {answer}"] += 1
 
     def _post(self, session, data, key):
         r = session.post(self.url + "/v1/chat/completions", data=data, timeout=60,
@@ -147,13 +171,13 @@ class Flood:
                                   "Content-Type": "application/json"})
         return r.status_code
 
-    def _unknown_key(self, session):
+    def unknown_key(self, session):
         return self._post(session, SMALL, "kiln-unknownkeyunknownkeyunknownkey000000000000")
 
-    def _huge_body(self, session):
+    def huge_body(self, session):
         return self._post(session, self._huge, self.key)
 
-    def _slow(self, _session):
+    def slow_body(self, _session):
         """Announce 1,000 bytes and send one a second; return how the server ended it."""
         host, port = self.url.rsplit("/", 1)[-1].split(":")
         with socket.create_connection((host, int(port)), timeout=120) as sock:
@@ -198,7 +222,7 @@ def measure(args, gw, org, flooder):
         loaded, statuses = victim(gw.url, org.key, args.requests, args.budget)
     sampler.stop_event.set()
     return {"alone": summary(baseline), "flood": summary(loaded),
-            "victim_statuses": dict(statuses), "flood_answers": dict(sorted(flood.answers.items())),
+            "victim_statuses": dict(statuses), "flood_answers": flood.answers,
             "rss_mib": {"before": round(base_rss / 1024), "peak": round(sampler.peak_kb / 1024)}}
 
 
