@@ -3,7 +3,10 @@
 Keys are random, shown once, stored as SHA-256 plus a short display prefix. Lookups are cached
 per process for ``KILN_KEY_CACHE_TTL_S`` seconds, so a revocation takes effect within that time.
 A key found unknown is remembered as unknown for ``KILN_UNKNOWN_KEY_CACHE_TTL_S`` seconds, so a
-client repeating a bad key costs no database query per request; both caches are bounded in size.
+client repeating a bad key costs no database query per request, and each repeat is answered
+only after :data:`UNKNOWN_KEY_DELAY_S` (a wait costs a gevent worker nothing, and a client
+flooding one bad key gets no more answers per second than it holds connections). Both caches
+are bounded in size.
 """
 import functools
 import hashlib
@@ -12,6 +15,7 @@ import secrets
 import time
 from dataclasses import dataclass
 
+import gevent
 import sqlalchemy as sa
 from flask import current_app, g, request
 
@@ -22,6 +26,7 @@ from .models import api_keys, orgs
 KEY_PREFIX = "kiln-"
 PREFIX_LEN = 12  # "kiln-" plus 7 random characters: enough to tell keys apart in logs
 _CACHE_MAX = 10_000
+UNKNOWN_KEY_DELAY_S = 0.5
 # What create_key can produce ("kiln-" + token_urlsafe(32): 48 characters of the URL-safe
 # alphabet), with room to spare. Anything else is refused without a database lookup.
 _KEY_SHAPE = re.compile(r"[A-Za-z0-9_-]{1,256}")
@@ -128,6 +133,7 @@ def _cached_lookup(key):
     if hit is not None and hit[0] > now:
         return hit[1]
     if unknown.get(digest, 0.0) > now:
+        gevent.sleep(UNKNOWN_KEY_DELAY_S)
         return None
     principal = lookup(current_app.extensions["kiln.engine"], key,
                        config.default_in_flight_limit)

@@ -4,11 +4,11 @@ The endpoint reference is the contract; README "API" gives the order: auth, vali
 maintenance, admission, backend, relay, settlement (the last four in :mod:`gateway.completions`).
 Reading and parsing the body are bounded in time and memory (:mod:`gateway.intake`).
 """
-from flask import Blueprint, current_app, g, request
+from flask import Blueprint, after_this_request, current_app, g, request
 
 from . import completions, intake, ops
 from .auth import require_key
-from .errors import Forbidden, InvalidRequest, PayloadTooLarge
+from .errors import Forbidden, InvalidRequest, PayloadTooLarge, ServiceUnavailable
 from .validation import parse_json_body, refuse_unfit_before_parsing, validate_chat
 
 bp = Blueprint("chat", __name__)
@@ -35,14 +35,35 @@ def _read_body(services, budget):
     if length is not None and length > config.max_body_bytes:
         raise PayloadTooLarge(f"Request body is larger than {config.max_body_bytes} bytes.")
     if length is not None and length >= intake.INLINE_BYTES:
-        with budget.share(length):  # taken before the first byte is read
+        held = _take_share(budget, length)  # before the first byte is read
+        try:
             raw = _receive(config, length)
             return _parse(services, budget, raw), len(raw)
+        finally:
+            budget.release(held)
     raw = _receive(config, length)
     if len(raw) < intake.INLINE_BYTES:
         return _parse(services, budget, raw), len(raw)
-    with budget.share(len(raw)):  # a large body of unknown length: held by its real size
+    held = budget.acquire(len(raw))  # a large body of unknown length: held by its real size
+    try:
         return _parse(services, budget, raw), len(raw)
+    finally:
+        budget.release(held)
+
+
+def _take_share(budget, length):
+    try:
+        return budget.acquire(length)
+    except ServiceUnavailable:
+        sock = request.environ.get("gunicorn.socket")
+        if sock is not None:  # refused unread: no reading it all just to keep the connection
+            after_this_request(lambda response: _hang_up_after(response, sock))
+        raise
+
+
+def _hang_up_after(response, sock):
+    response.call_on_close(lambda: intake.hang_up(sock))
+    return response
 
 
 def _receive(config, length):

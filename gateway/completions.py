@@ -25,7 +25,7 @@ from .metering import (Meter, estimate_completion, estimate_prompt, is_well_form
 from .outcomes import CLIENT_CLOSED, LeaseLost, Status, outcome_for
 from .parameters import upstream_body
 from .relay import (ClientGone, ClientWatch, Pump, StreamFailed, UpstreamCall,
-                    keepalives_until_answered, relay_stream)
+                    guard_writes, keepalives_until_answered, relay_stream)
 from .sse import DONE, StreamRules, apply_to_completion, dumps, frame
 
 log = logging.getLogger("kiln.requests")
@@ -83,7 +83,8 @@ def respond(services, principal, chat, environ):
         raise
     except ClientGone:  # settled as cancelled; nobody is left to read an answer
         return Response(status=CLIENT_CLOSED, headers={GENERATION_HEADER: gen.gid})
-    return Response(life, status=head.status, content_type=head.content_type,
+    body = guard_writes(life, environ.get("gunicorn.socket"), gen.timeouts.idle_s)
+    return Response(body, status=head.status, content_type=head.content_type,
                     headers={GENERATION_HEADER: gen.gid, **head.headers})
 
 

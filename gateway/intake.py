@@ -1,24 +1,27 @@
 """Bounded work before admission: reading and parsing a request body.
 
 Before a request is admitted, nothing it sends may take more of a worker than a short, bounded
-share, so that one client's bad requests do not slow another org's good ones (README "Limits"):
+share, so that one client's bad requests do not slow another org's good ones (bench/isolation.py
+measures it):
 
-- a body must arrive within ``KILN_BODY_TIMEOUT_S`` (else 408 and the connection is closed): a
-  client trickling its body holds no connection beyond that;
+- a body must arrive within ``KILN_BODY_TIMEOUT_S`` (else 408, and gunicorn closes the
+  connection unless the rest arrives within its keepalive): a client trickling its body holds
+  no connection much beyond that;
 - a large body is parsed off the event loop, in a thread of its own. JSON parsing holds the GIL;
   the interpreter hands it to a waiting thread after its switch interval, which is shortened
   while a parse runs, so the event loop (which gives the GIL up at every I/O wait and then has
   to take it back) loses at most a fraction of a millisecond per wait instead of 5 ms
   (Python's ``sys.setswitchinterval``; the "convoy effect", CPython issue 7946);
-- the bytes one worker reads and parses at once are capped (``KILN_PARSE_BUDGET_BYTES``), and so
-  is the share of its time spent parsing (:data:`PARSE_SHARE`): a large body takes its size
-  from that budget before its first byte is read, then waits for its turn to be parsed, and
-  gets a fast 503 with ``Retry-After`` when either takes longer than ``KILN_PARSE_WAIT_S``,
-  instead of queueing memory or CPU.
+- the bytes of large bodies one worker holds at once and takes in per second are capped
+  (``KILN_PARSE_BUDGET_BYTES``), and so is the share of its time spent parsing them
+  (:data:`PARSE_SHARE`): a large body takes its size from that budget before its first byte
+  is read, then waits for its turn to be parsed, and gets a fast 503 with ``Retry-After``
+  (its connection closed, the rest of it unread) when either takes longer than
+  ``KILN_PARSE_WAIT_S``, instead of queueing memory or CPU.
 
 Small bodies (the usual chat request) take no share of the budget and are parsed inline.
 """
-import contextlib
+import socket
 import sys
 import time
 
@@ -46,43 +49,56 @@ class BodyTimeout(GatewayError):
 
 
 class ParseBudget:
-    """The bytes of request bodies one worker reads and parses at once, and its parse time.
+    """What one worker spends on large request bodies: bytes held, bytes taken in per second,
+    and time spent parsing.
 
-    Large bodies are parsed one at a time, and parsing takes at most :data:`PARSE_SHARE` of the
-    worker's time: after a parse of ``t`` seconds the next one waits ``t / PARSE_SHARE - t``.
-    A client sending large bodies without pause therefore gets at most that share of a worker's
-    CPU, and the rest of its bodies a fast 503, however many it sends.
+    - At most ``capacity`` bytes of large bodies are held at once (memory), and at most
+      ``capacity`` bytes are taken in per second (a token bucket: reading costs the event loop
+      a few milliseconds per MiB, so a client sending large bodies without pause cannot keep
+      the worker busy reading them).
+    - Large bodies are parsed one at a time, and parsing takes at most :data:`PARSE_SHARE` of
+      the worker's time: after a parse of ``t`` seconds the next one waits ``t / PARSE_SHARE - t``.
+
+    Whatever cannot be had within ``wait_s`` is a fast 503 with ``Retry-After``.
 
     :param capacity: bytes; a body larger than this takes the whole budget.
-    :param wait_s: longest wait for a share, or a turn to parse, before the request is told 503.
     """
 
     def __init__(self, capacity, wait_s):
         self.capacity = capacity
         self.free = capacity
         self.wait_s = wait_s
+        self._tokens, self._refilled_at = float(capacity), time.monotonic()
         self._changed = Event()
         self._pool = None
         self._parsing = False
         self._next_parse_at = 0.0
         self._interval = sys.getswitchinterval()
 
-    @contextlib.contextmanager
-    def share(self, nbytes):
-        """Hold ``nbytes`` of the budget (at most all of it) for the ``with`` block.
+    def acquire(self, nbytes):
+        """Take ``nbytes`` (at most the capacity) to hold and to take in; return the amount
+        to :meth:`release` once the body is parsed.
 
-        :raises ServiceUnavailable: no share within ``wait_s`` (503, ``Retry-After``).
+        :raises ServiceUnavailable: not within ``wait_s``.
         """
         want = min(nbytes, self.capacity)
-        self._wait_until(lambda: self.free >= want)
+        self._wait_until(lambda: self.free >= want and self._refill() >= want,
+                         lambda: (want - self._tokens) / self.capacity)
         self.free -= want
-        try:
-            yield
-        finally:
-            self.free += want
-            self._changed.set()
+        self._tokens -= want
+        return want
 
-    def _wait_until(self, ready):
+    def release(self, amount):
+        self.free += amount
+        self._changed.set()
+
+    def _refill(self):
+        now = time.monotonic()
+        self._tokens = min(self.capacity, self._tokens + (now - self._refilled_at) * self.capacity)
+        self._refilled_at = now
+        return self._tokens
+
+    def _wait_until(self, ready, retry_in_s):
         deadline = time.monotonic() + self.wait_s
         while not ready():
             left = deadline - time.monotonic()
@@ -91,7 +107,7 @@ class ParseBudget:
                     "Kiln is busy reading other large request bodies; retry with backoff.",
                     code="server_busy", headers={"Retry-After": RETRY_AFTER_S})
             self._changed.clear()
-            self._changed.wait(min(left, max(0.001, self._next_parse_at - time.monotonic())))
+            self._changed.wait(min(left, max(0.001, retry_in_s())))
 
     def run(self, func, *args):
         """Run ``func(*args)`` in the budget's own thread when it is this call's turn; return
@@ -99,7 +115,8 @@ class ParseBudget:
 
         :raises ServiceUnavailable: no turn within ``wait_s``.
         """
-        self._wait_until(lambda: not self._parsing and time.monotonic() >= self._next_parse_at)
+        self._wait_until(lambda: not self._parsing and time.monotonic() >= self._next_parse_at,
+                         lambda: self._next_parse_at - time.monotonic())
         if self._pool is None:
             self._pool = ThreadPool(PARSE_THREADS)
         self._parsing, started = True, time.monotonic()
@@ -111,6 +128,17 @@ class ParseBudget:
             took = time.monotonic() - started
             self._parsing, self._next_parse_at = False, started + took / PARSE_SHARE
             self._changed.set()
+
+
+def hang_up(sock):
+    """Close the client's connection once the answer is written, without reading the rest of
+    its body (gunicorn would read and discard it all to reuse the connection). The answer's
+    bytes are sent before the FIN; clients read an early answer when their send then fails
+    (urllib3 and curl do)."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
 
 
 def read_body(read, timeout_s):

@@ -4,7 +4,8 @@ relay. Nothing here knows about money; the flow (:mod:`gateway.completions`) pas
 README "Streaming" is the contract: events relayed as bytes arrive, ``: keepalive`` comments
 while the backend is silent, a client leaving noticed while Kiln waits on the backend (whose
 request is then closed so the model stops), and the backend read no faster than the client reads
-(a bounded queue between them).
+(a bounded queue between them); a client that stops reading altogether is hung up on after the
+idle timeout (:func:`guard_writes`).
 """
 import select
 import socket
@@ -80,6 +81,36 @@ class ClientWatch:
     def stop(self):
         if self._greenlet is not None:
             self._greenlet.kill(block=False)
+
+
+def guard_writes(body, sock, idle_s):
+    """Yield the items of ``body`` (the response's generator); if the server has not asked for
+    the next one within ``idle_s`` seconds, its write is stuck behind a client that stopped
+    reading: hang up on the client. The server's write then fails, it closes ``body`` (which
+    settles the generation, billing what was generated), and the backend, no longer read,
+    stopped at the bounded queue meanwhile."""
+    writing_since = []
+    watcher = gevent.spawn(_watch_writes, writing_since, sock, idle_s) if sock else None
+    try:
+        for item in body:
+            writing_since.append(time.monotonic())
+            yield item
+            writing_since.clear()
+    finally:
+        if watcher is not None:
+            watcher.kill(block=False)
+        body.close()
+
+
+def _watch_writes(writing_since, sock, idle_s):
+    while True:
+        gevent.sleep(min(1.0, idle_s / 4))
+        if writing_since and time.monotonic() - writing_since[0] > idle_s:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            return
 
 
 def _peer_closed(sock):

@@ -226,8 +226,10 @@ def shutdown(resp):
     and stops generating."""
     try:
         resp.raw.shutdown()
-    except (AttributeError, OSError, RuntimeError):
-        pass  # already closed, or already released to the pool: nothing left to abort
+    except (AttributeError, OSError, RuntimeError, ValueError):
+        # Already closed, or already released to the pool (urllib3 2.x then raises ValueError,
+        # e.g. on a second abort): nothing left to abort.
+        pass
     resp.close()
 
 
