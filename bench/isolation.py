@@ -7,8 +7,9 @@ one event loop: the hard case). A victim org sends small non-stream chat request
 another, first alone, then while a flooder sends, each from its own threads:
 
 - ``unknown-key``: requests with a key that does not exist (the same key over and over);
-- ``huge-body``: 16 MiB bodies of many small JSON values (the slowest kind to parse), with the
-  flooder's own valid key;
+- ``huge-body``, ``huge-vision``: 16 MiB bodies of many small JSON values (the slowest kind to
+  parse), with the flooder's own valid key, for a text-only model (refused from their size
+  before parsing) and for a vision model (parsed and checked in full);
 - ``slow-body``: connections that announce a body and trickle it one byte a second (valid key).
 
 It prints the victim's latency alone and under the flood (p50, p99, max), the ratio of the p99s,
@@ -52,17 +53,26 @@ max_output_tokens = 1024
 input = ["text"]
 pricing = {{ input = "0.10", cached_input = "0.05", output = "0.30" }}
 backends = [{{ url = "{url}", model = "upstream-fake" }}]
+
+[[models]]
+id = "fake-vision"
+context_window = 131072
+max_output_tokens = 1024
+input = ["text", "image"]
+pricing = {{ input = "1", cached_input = "0.5", output = "2" }}
+backends = [{{ url = "{url}", model = "upstream-vision" }}]
 """
 SMALL = json.dumps({"model": "fake-model", "max_tokens": 16,
                     "messages": [{"role": "user", "content": "Say hello"}]}).encode()
 MiB = 1024 * 1024
 
 
-def huge_body(size=16 * MiB - 4096):
+def huge_body(model, size=16 * MiB - 4096):
     """A body of just under ``size`` bytes: many tiny messages (the costliest JSON to parse)."""
     one = b'{"role":"user","content":"x"},'
     count = (size - 64) // len(one)
-    return b'{"model":"fake-model","messages":[' + one * count + b'{"role":"user","content":"x"}]}'
+    return (b'{"model":"' + model.encode() + b'","messages":[' + one * count
+            + b'{"role":"user","content":"x"}]}')
 
 
 class Gunicorn:
@@ -134,9 +144,9 @@ class Flood:
         self._process.join(30)
 
 
-def _flood_main(url, key, stop_event, results, unknown=4, huge=2, slow=20):
+def _flood_main(url, key, stop_event, results, unknown=4, huge=1, slow=20):
     senders = Senders(url, key, stop_event)
-    kinds = ([senders.unknown_key] * unknown + [senders.huge_body] * huge
+    kinds = ([senders.unknown_key] * unknown + [senders.huge_body, senders.huge_vision] * huge
              + [senders.slow_body] * slow)
     threads = [threading.Thread(target=senders.loop, args=(k,), daemon=True) for k in kinds]
     for t in threads:
@@ -153,7 +163,8 @@ class Senders:
         self.url, self.key, self.stop_event = url, key, stop_event
         self.answers = collections.Counter()
         self._lock = threading.Lock()
-        self._huge = huge_body()
+        self._huge = huge_body("fake-model")
+        self._huge_vision = huge_body("fake-vision")
 
     def loop(self, send):
         session = requests.Session()
@@ -176,6 +187,10 @@ class Senders:
 
     def huge_body(self, session):
         return self._post(session, self._huge, self.key)
+
+    def huge_vision(self, session):
+        """A huge body for a model that takes images: it is parsed and checked in full."""
+        return self._post(session, self._huge_vision, self.key)
 
     def slow_body(self, _session):
         """Announce 1,000 bytes and send one a second; return how the server ended it."""

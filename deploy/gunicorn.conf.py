@@ -27,6 +27,9 @@ graceful_timeout = int(os.environ.get("KILN_GRACEFUL_TIMEOUT", "120"))
 # Idle keep-alive seconds. Above nginx's upstream keepalive_timeout (4 s), so that nginx, not
 # gunicorn, closes an idle connection (no POST meets a closing socket). Short, because a
 # stopping worker (stop, reload, max_requests) waits for its idle connections until this expires.
+# It is also the header timeout: the gevent worker reads each request's head (the first one
+# included), and the unread rest of a refused body, within it, else closes the connection. The
+# body itself must arrive within KILN_BODY_TIMEOUT_S (gateway/intake.py; 408 after it).
 keepalive = 5
 # Recycle workers now and then (memory hygiene); jitter keeps them from restarting together.
 max_requests = int(os.environ.get("KILN_MAX_REQUESTS", "50000"))

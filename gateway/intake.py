@@ -11,7 +11,9 @@ measures it):
   the interpreter hands it to a waiting thread after its switch interval, which is shortened
   while a parse runs, so the event loop (which gives the GIL up at every I/O wait and then has
   to take it back) loses at most a fraction of a millisecond per wait instead of 5 ms
-  (Python's ``sys.setswitchinterval``; the "convoy effect", CPython issue 7946);
+  (Python's ``sys.setswitchinterval``; the "convoy effect", CPython issue 7946). The parse runs
+  with Python hooks (the C parser alone would hold the GIL from start to end) and with the
+  garbage collector paused (a collection over a large body's objects holds it too);
 - the bytes of large bodies one worker holds at once and takes in per second are capped
   (``KILN_PARSE_BUDGET_BYTES``), and so is the share of its time spent parsing them
   (:data:`PARSE_SHARE`): a large body takes its size from that budget before its first byte
@@ -21,6 +23,8 @@ measures it):
 
 Small bodies (the usual chat request) take no share of the budget and are parsed inline.
 """
+import functools
+import gc
 import socket
 import sys
 import time
@@ -121,9 +125,13 @@ class ParseBudget:
             self._pool = ThreadPool(PARSE_THREADS)
         self._parsing, started = True, time.monotonic()
         sys.setswitchinterval(PARSE_SWITCH_INTERVAL_S)
+        collecting = gc.isenabled()
+        gc.disable()  # a collection holds the GIL throughout; parsed JSON holds no cycles
         try:
             return self._pool.apply(func, args)
         finally:
+            if collecting:
+                gc.enable()
             sys.setswitchinterval(self._interval)
             took = time.monotonic() - started
             self._parsing, self._next_parse_at = False, started + took / PARSE_SHARE
@@ -155,7 +163,7 @@ def read_body(read, timeout_s):
 
 def parse(budget, raw, parse_func, *args):
     """Parse ``raw`` with ``parse_func(raw, *args)``: inline when small, else in the budget's
-    threads."""
+    thread, as ``parse_func(raw, *args, yielding=True)`` (it gives the GIL up as it goes)."""
     if len(raw) < INLINE_BYTES:
         return parse_func(raw, *args)
-    return budget.run(parse_func, raw, *args)
+    return budget.run(functools.partial(parse_func, yielding=True), raw, *args)
