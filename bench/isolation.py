@@ -126,11 +126,12 @@ class Flood:
     client (the GIL): only the gateway is shared.
     """
 
-    def __init__(self, url, key):
+    def __init__(self, url, key, vision=True):
         self.stop_event = multiprocessing.Event()
         self._results = multiprocessing.Queue()
         self._process = multiprocessing.Process(
-            target=_flood_main, args=(url, key, self.stop_event, self._results), daemon=True)
+            target=_flood_main, args=(url, key, self.stop_event, self._results, vision),
+            daemon=True)
         self.answers = {}
 
     def __enter__(self):
@@ -144,10 +145,10 @@ class Flood:
         self._process.join(30)
 
 
-def _flood_main(url, key, stop_event, results, unknown=4, huge=1, slow=20):
+def _flood_main(url, key, stop_event, results, vision, unknown=4, slow=20):
     senders = Senders(url, key, stop_event)
-    kinds = ([senders.unknown_key] * unknown + [senders.huge_body, senders.huge_vision] * huge
-             + [senders.slow_body] * slow)
+    huge = [senders.huge_body, senders.huge_vision] if vision else [senders.huge_body] * 2
+    kinds = [senders.unknown_key] * unknown + huge + [senders.slow_body] * slow
     threads = [threading.Thread(target=senders.loop, args=(k,), daemon=True) for k in kinds]
     for t in threads:
         t.start()
@@ -233,7 +234,7 @@ def measure(args, gw, org, flooder):
     base_rss = tree_rss_kb([gw.proc.pid])
     sampler = RssSampler(gw.proc.pid)
     sampler.start()
-    with Flood(gw.url, flooder.key) as flood:
+    with Flood(gw.url, flooder.key, args.vision) as flood:
         loaded, statuses = victim(gw.url, org.key, args.requests, args.budget)
     sampler.stop_event.set()
     return {"alone": summary(baseline), "flood": summary(loaded),
@@ -287,6 +288,9 @@ def main(argv=None):
                         help="seconds each victim phase may take at most (default 90)")
     parser.add_argument("--body-timeout", type=float, default=10.0,
                         help="KILN_BODY_TIMEOUT_S for the run (default 10)")
+    parser.add_argument("--vision", action=argparse.BooleanOptionalAction, default=True,
+                        help="one of the two huge-body senders targets the vision model "
+                             "(default); --no-vision: both target the text-only model")
     parser.add_argument("--json", action="store_true", help="also print the result as JSON")
     args = parser.parse_args(argv)
     result = run(args)

@@ -17,7 +17,7 @@ import openai
 import pytest
 import requests
 
-from fake_upstream import (Send, Status, chat_chunk, chat_completion, json_reply, make_usage,
+from fake_upstream import (Send, Status, chat_chunk, chat_completion, make_usage,
                            sse, sse_event)
 from gateway.sse import EventSplitter
 from gateway_proc import balance_nanos, wait_until
