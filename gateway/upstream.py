@@ -226,8 +226,10 @@ def shutdown(resp):
     and stops generating."""
     try:
         resp.raw.shutdown()
-    except (AttributeError, OSError, RuntimeError):
-        pass  # already closed, or already released to the pool: nothing left to abort
+    except (AttributeError, OSError, RuntimeError, ValueError):
+        # Already closed or released to the pool; urllib3 raises ValueError when the
+        # response holds no socket to shut down. Closing it below still drops the connection.
+        pass
     resp.close()
 
 
