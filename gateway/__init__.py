@@ -12,7 +12,7 @@ def create_app(config=None):
     :param config: a :class:`Config`, a mapping of Config field names, or None for the
         ``KILN_*`` environment.
     """
-    from . import account, catalog, chat, cors, metrics, openapi, ops, upstream
+    from . import account, catalog, chat, cors, health, metrics, openapi, ops, upstream
     from .completions import Services
     from .db import create_engine
     from .errors import register_error_handlers
@@ -44,6 +44,7 @@ def create_app(config=None):
     @app.before_request
     def _start_background():
         ops.start_sweeper(app)
+        health.start_prober(app)
         request.environ.setdefault("kiln.client_addr", client_address(config, request))
 
     # After the hook above, so that a preflight's log line has the client address.

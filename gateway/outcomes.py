@@ -10,6 +10,7 @@ from enum import Enum
 from .errors import (GatewayError, ServiceUnavailable, UpstreamError, UpstreamRejected,
                      UpstreamTimeout)
 from .relay import ClientGone, StreamFailed
+from .upstream import IDLE_TIMEOUT
 
 
 class Status(str, Enum):
@@ -48,14 +49,14 @@ TABLE = (
     (ClientGone, Status.CLIENT_CANCELLED, CLIENT_CLOSED, None),
     (GeneratorExit, Status.CLIENT_CANCELLED, CLIENT_CLOSED, None),
     (LeaseLost, Status.ABANDONED, 500, "lease_lost"),
-    (UpstreamTimeout, Status.TIMEOUT, 502, "upstream_timeout"),
+    (UpstreamTimeout, Status.TIMEOUT, 502, None),  # its code names the timeout that fired
     (UpstreamRejected, Status.REJECTED, 400, "upstream_rejected"),
     (ServiceUnavailable, Status.UPSTREAM_ERROR, 503, None),
     (UpstreamError, Status.UPSTREAM_ERROR, 502, "upstream_error"),
     (GatewayError, Status.ERROR, None, None),
     (BaseException, Status.ERROR, 500, "internal_error"),
 )
-STREAM_FAILURES = {"timeout": (Status.TIMEOUT, "upstream_timeout"),
+STREAM_FAILURES = {"timeout": (Status.TIMEOUT, IDLE_TIMEOUT),
                    "too_large": (Status.UPSTREAM_ERROR, "upstream_too_large"),
                    "upstream_error": (Status.UPSTREAM_ERROR, "upstream_error")}
 COMPLETED = Outcome(Status.COMPLETED, 200)
