@@ -146,9 +146,19 @@ class Route:
         backend, m = self.backend, self.services.metrics
         kind = err.code if isinstance(err, UpstreamError) else "at_capacity"
         m.child(m.backend_errors, self.entry.id, backend.url, kind).inc()
-        if isinstance(err, UpstreamError):
-            backend.state.breaker.failure(self.policy,
-                                          at_once=err.code in (UNREACHABLE, CONNECT_TIMEOUT))
+        if not isinstance(err, UpstreamError):
+            return
+        if err.code in (UNREACHABLE, CONNECT_TIMEOUT):
+            backend.state.breaker.failure(self.policy, at_once=True)
+        elif self._others_up(backend):
+            # A 5xx or a timeout never takes out a model's last backend in rotation: its
+            # clients are better served by that backend's own errors than by 503s.
+            backend.state.breaker.failure(self.policy)
+
+    def _others_up(self, backend):
+        now = time.monotonic()
+        return any(b is not backend and b.weight > 0 and b.state.breaker.is_up(now)
+                   for b in self.entry.backends)
 
 
 def observe(metrics, route, first_token_s, completion_tokens, stream_s):
