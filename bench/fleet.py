@@ -247,18 +247,21 @@ def main(argv=None):
     parser.add_argument("--conversations", type=int, default=30)
     parser.add_argument("--turns", type=int, default=10)
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--part", choices=("all", "faults", "affinity"), default="all")
     parser.add_argument("--workdir", default=None, help="catalogs and slot files (a new "
                         "temporary directory by default)")
     args = parser.parse_args(argv)
     bench = Bench(args)
     try:
-        baseline, faulty = bench.faults()
-        conversations = bench.affinity()
+        faults = bench.faults() if args.part in ("all", "faults") else None
+        conversations = bench.affinity() if args.part in ("all", "affinity") else None
     finally:
         bench.close()
     print(f"gunicorn workers: {args.workers}; concurrency {args.concurrency}")
-    report_faults(baseline, faulty)
-    report_affinity(conversations, args.turns)
+    if faults:
+        report_faults(*faults)
+    if conversations:
+        report_affinity(conversations, args.turns)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,11 @@ import random
 WEIGHTED, LEAST_OUTSTANDING, PREFIX_AFFINITY = "weighted", "least-outstanding", "prefix-affinity"
 POLICIES = (WEIGHTED, LEAST_OUTSTANDING, PREFIX_AFFINITY)
 LOAD_BOUND = 1.25
+# ... and at least this many requests above it: while few requests are in flight (a burst of
+# new conversations) 1.25 × a small mean would scatter the first turns, whose backend is the
+# one that holds the conversation's cache (the same idea as SGLang's router, whose balance
+# thresholds are both relative and absolute).
+LOAD_SLACK = 2
 _TOP = float(2 ** 64)
 
 
@@ -62,7 +67,8 @@ def affinity_order(candidates, key):
 
 
 def _bound(backend, total, weights):
-    return max(1, math.ceil(LOAD_BOUND * total * backend.weight / weights))
+    share = total * backend.weight / weights
+    return max(math.ceil(LOAD_BOUND * share), math.floor(share) + LOAD_SLACK)
 
 
 def _score(key, backend):

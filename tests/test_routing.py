@@ -105,16 +105,18 @@ def test_prefix_affinity_skips_a_backend_over_its_bounded_load():
     fleet = backends()
     key = routing.prefix_key(conversation("sys", "q"))
     home = routing.rank("prefix-affinity", fleet, key)[0]
-    # bound = ceil(1.25 × (in flight + 1) / 3); a backend is offered while its own + 1 fits.
-    home.state.in_flight = 4  # bound ceil(1.25 × 5 / 3) = 3 < 5
+    others = [b for b in fleet if b is not home]
+    # A backend is offered while its in flight + 1 fits max(ceil(1.25 × share), share + 2),
+    # share = (all in flight + 1) / 3.
+    home.state.in_flight = 4  # share 5/3: bound 3 < 5
     order = routing.rank("prefix-affinity", fleet, key)
     assert order[0] is not home and order[-1] is home
-    home.state.in_flight = 2  # bound ceil(1.25 × 3 / 3) = 2 < 3
-    assert routing.rank("prefix-affinity", fleet, key)[0] is not home
-    home.state.in_flight = 1
-    other = next(b for b in fleet if b is not home)
-    other.state.in_flight = 3  # bound ceil(1.25 × 5 / 3) = 3: home's 2 fits again
+    home.state.in_flight = 2  # share 1: bound 3, and 3 fits (few in flight: no scattering)
     assert routing.rank("prefix-affinity", fleet, key)[0] is home
+    home.state.in_flight, others[0].state.in_flight, others[1].state.in_flight = 20, 10, 10
+    assert routing.rank("prefix-affinity", fleet, key)[-1] is home  # share 41/3: bound 18
+    home.state.in_flight, others[0].state.in_flight, others[1].state.in_flight = 16, 12, 12
+    assert routing.rank("prefix-affinity", fleet, key)[0] is home  # 17 fits 18
 
 
 # -- circuit breaker -----------------------------------------------------------------------
