@@ -26,8 +26,8 @@ bp = Blueprint("models", __name__)
 
 @dataclass(frozen=True)
 class Timeouts:
-    """Seconds: connecting to a backend, waiting for its first byte (its status line, or a
-    whole non-stream reply), and the longest silence between stream chunks."""
+    """Seconds: connecting to a backend, waiting for its first byte (its status line), and the
+    longest silence after that (between stream chunks, or within a reply's body)."""
 
     connect_s: float
     first_byte_s: float

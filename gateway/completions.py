@@ -176,9 +176,11 @@ class Generation:
         """Send the request from this greenlet and return the 2xx response (non-stream)."""
         sent = time.monotonic()
         try:
-            return self.open_response()
+            resp = self.open_response()
         finally:
             self.observe_answer(sent)
+        upstream.set_read_timeout(resp, self.timeouts.idle_s)
+        return resp
 
     def answer(self, call):
         """Return the call's 2xx response (raise its error), counting the backend's latency;
