@@ -23,9 +23,10 @@ from .fleet import Route
 from .ledger import AdmissionRequest, Settlement
 from .metering import (Meter, estimate_completion, estimate_prompt, is_well_formed,
                        reconcile_usage)
-from .outcomes import CLIENT_CLOSED, LeaseLost, Status, outcome_for
+from .outcomes import (CLIENT_CLOSED, LeaseLost, Status, check_complete, error_event,
+                       outcome_for)
 from .parameters import upstream_body
-from .relay import (ClientGone, ClientWatch, Pump, StreamFailed, UpstreamCall,
+from .relay import (ClientGone, ClientWatch, Pump, UpstreamCall,
                     keepalives_until_answered, relay_stream)
 from .sse import DONE, StreamRules, apply_to_completion, dumps, frame
 
@@ -99,8 +100,8 @@ def _life(gen):
         if isinstance(exc, GeneratorExit) or not gen.head_sent:
             raise
         if not isinstance(exc, ClientGone):  # nobody left to tell
-            error_event = _error_event(outcome_for(exc, stream_began=True), exc)
-            last = lambda _charged: error_event  # noqa: E731
+            event = error_event(outcome_for(exc, stream_began=True), exc)
+            last = lambda _charged: event  # noqa: E731
     finally:
         try:
             gen.close()
@@ -392,7 +393,7 @@ def _stream(gen):
     unfinished = yield from relay_stream(
         gen.pump, lambda payloads: _apply(gen, rules, payloads), gen.check_lease,
         config.keepalive_s, gen.timeouts.idle_s, config.max_event_bytes)
-    _check_complete(rules, unfinished)
+    check_complete(rules, unfinished)
     gen.read_whole = gen.pump.complete and not rules.cut
     gen.close()  # a cut generation: the backend stops now
     return lambda charged_usd: _end_of_stream(gen, rules, charged_usd)
@@ -423,16 +424,6 @@ def _apply(gen, rules, payloads):
     return b"".join(out), rules.cut or rules.error is not None
 
 
-def _check_complete(rules, unfinished):
-    if rules.error is not None:
-        message = rules.error.get("message") if isinstance(rules.error, dict) else None
-        raise StreamFailed(f"The model backend failed mid-stream: {message}" if message
-                           else "The model backend failed mid-stream.")
-    if rules.cut or rules.done or rules.finished or unfinished == b"data: " + DONE:
-        return
-    raise StreamFailed("The model backend ended the stream before it was complete.")
-
-
 def _end_of_stream(gen, rules, charged_usd):
     """Return the last bytes of a complete stream: the end of choices Kiln cut at the budget,
     the usage chunk with the USD charged if the client asked for it, and ``[DONE]``."""
@@ -442,16 +433,3 @@ def _end_of_stream(gen, rules, charged_usd):
         as_sent = is_well_formed(gen.meter.reported, usage)
         tail += rules.usage_frame(_usage_object(usage), charged_usd, as_sent)
     return tail + frame(DONE)
-
-
-def _error_event(outcome, exc):
-    """Return the one SSE event that ends a failed stream: the error envelope, no ``[DONE]``."""
-    if outcome.status is Status.ERROR:
-        log.error("stream relay failed", exc_info=exc)
-        message = "The gateway failed while relaying the stream."
-    else:
-        message = outcome.message or "The model backend failed mid-stream."
-    kind = "server_error" if outcome.status is Status.ERROR else "upstream_error"
-    envelope = {"error": {"message": message, "type": kind, "param": None,
-                          "code": outcome.code}}
-    return frame(json.dumps(envelope).encode())
