@@ -14,7 +14,7 @@ import time
 
 import gevent
 
-from .capacity import Slots, slot_dir
+from .capacity import HostLoad, Slots, slot_dir
 from .errors import ServiceUnavailable, UpstreamError, UpstreamRejected
 from .health import BreakerPolicy
 from .routing import PREFIX_AFFINITY, prefix_key, rank
@@ -71,16 +71,15 @@ class Route:
         return live
 
     def _slots(self, backend):
-        state = backend.state
-        if getattr(state, "slots", None) is None:
-            state.slots = Slots(slot_dir(self.config.slot_dir), backend.url,
-                                backend.max_in_flight)
-        return state.slots
+        if backend.state.slots is None:  # not prepared (used without an app)
+            backend.state.slots = Slots(slot_dir(self.config.slot_dir), backend.url,
+                                        backend.max_in_flight)
+        return backend.state.slots
 
     def _hold(self, backend, slot):
         self.backend, self._slot = backend, slot
         self.tried.append(backend.url)
-        backend.state.in_flight += 1
+        backend.state.begin()
         m = self.services.metrics
         m.child(m.backend_in_flight, self.entry.id, backend.url).inc()
         m.child(m.backend_requests, self.entry.id, backend.url).inc()
@@ -93,7 +92,7 @@ class Route:
             return
         self._slots(backend).release(self._slot)
         self._slot = None
-        backend.state.in_flight -= 1
+        backend.state.end()
         m = self.services.metrics
         m.child(m.backend_in_flight, self.entry.id, backend.url).dec()
 
@@ -159,6 +158,17 @@ class Route:
         now = time.monotonic()
         return any(b is not backend and b.weight > 0 and b.state.breaker.is_up(now)
                    for b in self.entry.backends)
+
+
+def prepare(catalog, config):
+    """Give every backend of ``catalog`` its slots and the host's load counters (one cell of
+    this worker's)."""
+    directory = slot_dir(config.slot_dir)
+    host_load = HostLoad(directory)
+    for entry in catalog.values():
+        for backend in entry.backends:
+            backend.state.attach(Slots(directory, backend.url, backend.max_in_flight),
+                                 host_load, backend.url)
 
 
 def observe(metrics, route, first_token_s, completion_tokens, stream_s):

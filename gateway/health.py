@@ -74,11 +74,32 @@ class Breaker:
 
 
 class BackendState:
-    """What one worker knows of a backend: its breaker and its requests in flight."""
+    """What one worker knows of a backend: its breaker, its requests in flight (this worker's,
+    and the host's once :meth:`attach`-ed), and its slots (``max_in_flight``)."""
 
     def __init__(self):
         self.breaker = Breaker()
-        self.in_flight = 0
+        self.in_flight = 0     # this worker's
+        self.slots = None      # gateway.capacity.Slots
+        self._host = None      # (gateway.capacity.HostLoad, url)
+
+    def attach(self, slots, host_load, url):
+        self.slots, self._host = slots, (host_load, url)
+
+    def begin(self):
+        self.in_flight += 1
+        if self._host is not None:
+            self._host[0].add(self._host[1], 1)
+
+    def end(self):
+        self.in_flight -= 1
+        if self._host is not None:
+            self._host[0].add(self._host[1], -1)
+
+    def load(self):
+        """Requests in flight: every worker's of this host when known, else this worker's."""
+        total = self._host[0].total(self._host[1]) if self._host is not None else None
+        return self.in_flight if total is None else total
 
 
 # -- active probe ------------------------------------------------------------------------------

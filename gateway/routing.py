@@ -60,9 +60,10 @@ def least_outstanding_order(candidates, rng=random):
 def affinity_order(candidates, key):
     """The conversation's rendezvous order, backends over their bounded load moved last."""
     ranked = sorted(candidates, key=lambda b: -_score(key, b))
-    total = sum(b.state.in_flight for b in candidates) + 1
+    loads = {b.url: b.state.load() for b in candidates}
+    total = sum(loads.values()) + 1
     weights = sum(b.weight for b in candidates)
-    within = [b for b in ranked if b.state.in_flight + 1 <= _bound(b, total, weights)]
+    within = [b for b in ranked if loads[b.url] + 1 <= _bound(b, total, weights)]
     return within + [b for b in ranked if b not in within]
 
 
@@ -79,7 +80,7 @@ def _score(key, backend):
 
 
 def _load(backend):
-    return backend.state.in_flight / backend.weight
+    return backend.state.load() / backend.weight
 
 
 def prefix_key(messages):

@@ -12,7 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 from gateway import cli, routing
-from gateway.capacity import Slots
+from gateway.capacity import HostLoad, Slots
 from gateway.catalog import Backend, CatalogError, load_catalog
 from gateway.config import Config
 from gateway.errors import ServiceUnavailable, UpstreamError, UpstreamRejected, UpstreamTimeout
@@ -157,7 +157,7 @@ def test_slots_cap_a_backend_across_processes(tmp_path):
     other = Slots(tmp_path, URLS[1], 1)
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import sys
-        from gateway.capacity import Slots
+        from gateway.capacity import HostLoad, Slots
         slots = Slots({str(tmp_path)!r}, {URLS[1]!r}, 1)
         print(slots.try_take(), flush=True)
         sys.stdin.read()
@@ -170,6 +170,33 @@ def test_slots_cap_a_backend_across_processes(tmp_path):
         holder.communicate()
     assert other.try_take() == 0  # the kernel released a dead worker's lock
     assert Slots(tmp_path, URLS[2], 0).try_take() == -1  # no cap
+
+
+def test_host_load_sums_every_worker_and_forgets_a_dead_one(tmp_path):
+    here = HostLoad(tmp_path)
+    here.add(URLS[0], 2)
+    worker = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import sys
+        from gateway.capacity import HostLoad
+        load = HostLoad({str(tmp_path)!r})
+        load.add({URLS[0]!r}, 3)
+        print(load.cell, load.total({URLS[0]!r}), flush=True)
+        sys.stdin.read()
+        """)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        cell, seen = worker.stdout.readline().split()
+        assert int(cell) != here.cell and int(seen) == 5
+        assert here.total(URLS[0]) == 5 and here.total(URLS[1]) == 0
+    finally:
+        worker.kill()
+        worker.communicate()
+    assert here.total(URLS[0]) == 5  # the dead worker's count stays until its cell is taken
+    successor = subprocess.run([sys.executable, "-c", textwrap.dedent(f"""
+        from gateway.capacity import HostLoad
+        load = HostLoad({str(tmp_path)!r})
+        print(load.cell, load.total({URLS[0]!r}))
+        """)], capture_output=True, text=True, check=True)
+    assert successor.stdout.split() == [cell, "2"]  # took the free cell and zeroed it
 
 
 def test_take_waits_for_a_slot_then_503_with_retry_after(tmp_path):
