@@ -12,8 +12,9 @@ Run: ``.venv/bin/python bench/fleet.py`` (Postgres on 127.0.0.1:5432, as for the
    (each request billed once), attempts per request, latency p50/p99 and what the faults add.
 2. Prefix affinity: ``--conversations`` conversations of ``--turns`` turns each, all at once
    (turns of one conversation in order, each carrying the whole history), over three healthy
-   upstreams that take 50 ms per answer. Printed: the share of turns served by their
-   conversation's first backend, and the spread of turns over backends (max/mean).
+   upstreams that take 50 ms per answer, once per ``--load-bounds`` value (the catalog's
+   ``load_bound``). Printed: the share of turns served by their conversation's first backend,
+   and the spread of turns over backends (max/mean).
 """
 import argparse
 import functools
@@ -167,11 +168,12 @@ class Bench:
 
     # -- 2. prefix affinity ----------------------------------------------------------------
 
-    def affinity(self):
+    def affinity(self, load_bound):
         slow = functools.partial(default_script, hold_s=0.05)
         fakes = [FakeUpstream(default=slow).start() for _ in range(3)]
         try:
-            gw = self.gateway([f.base_url for f in fakes], routing="prefix-affinity")
+            gw = self.gateway([f.base_url for f in fakes], routing="prefix-affinity",
+                              load_bound=load_bound)
             org = self.org()
             try:
                 with ThreadPoolExecutor(self.args.conversations) as pool:
@@ -225,16 +227,19 @@ def report_faults(baseline, faulty):
           f"{(p99 - b99) * 1000:+.1f} ms |")
 
 
-def report_affinity(conversations, turns):
+def report_affinity(conversations, turns, load_bound):
     served = [b for conv in conversations for b in conv]
     on_first = sum(b is not None and b == conv[0] for conv in conversations for b in conv)
     per_backend = Counter(b for b in served if b is not None)
+    homes = Counter(max(set(conv), key=conv.count) for conv in conversations)
     mean = sum(per_backend.values()) / 3
-    print(f"\n### Prefix affinity: {len(conversations)} conversations x {turns} turns, "
-          f"3 backends, all conversations at once\n")
+    print(f"\n### Prefix affinity, load_bound {load_bound}: {len(conversations)} conversations "
+          f"x {turns} turns, 3 backends, all conversations at once\n")
     print("| figure | value | target |\n|---|---|---|")
     print(f"| turns on their conversation's first backend | "
           f"{on_first / len(served):.1%} | >= 95 % |")
+    print(f"| conversations per backend (where most of their turns went) | "
+          f"{', '.join(str(v) for v in sorted(homes.values()))} | |")
     print(f"| turns per backend | {', '.join(str(v) for v in sorted(per_backend.values()))} | |")
     print(f"| load spread (max/mean) | {max(per_backend.values()) / mean:.2f} | <= 1.3 |")
     print(f"| failed turns | {served.count(None)} | 0 |")
@@ -248,20 +253,23 @@ def main(argv=None):
     parser.add_argument("--turns", type=int, default=10)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--part", choices=("all", "faults", "affinity"), default="all")
+    parser.add_argument("--load-bounds", type=float, nargs="+", default=[1.25, 1.5],
+                        help="the catalog's load_bound for each prefix-affinity run")
     parser.add_argument("--workdir", default=None, help="catalogs and slot files (a new "
                         "temporary directory by default)")
     args = parser.parse_args(argv)
     bench = Bench(args)
     try:
         faults = bench.faults() if args.part in ("all", "faults") else None
-        conversations = bench.affinity() if args.part in ("all", "affinity") else None
+        affinity = {bound: bench.affinity(bound) for bound in args.load_bounds} \
+            if args.part in ("all", "affinity") else {}
     finally:
         bench.close()
     print(f"gunicorn workers: {args.workers}; concurrency {args.concurrency}")
     if faults:
         report_faults(*faults)
-    if conversations:
-        report_affinity(conversations, args.turns)
+    for bound, conversations in affinity.items():
+        report_affinity(conversations, args.turns, bound)
 
 
 if __name__ == "__main__":

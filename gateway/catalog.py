@@ -19,7 +19,7 @@ from .families import FAMILIES
 from .images import DEFAULT_SOURCES, SOURCES
 from .health import BackendState
 from .parameters import PARAMETERS
-from .routing import POLICIES, WEIGHTED
+from .routing import LOAD_BOUND, POLICIES, WEIGHTED
 
 bp = Blueprint("models", __name__)
 
@@ -86,6 +86,7 @@ class ModelEntry:
     created: int = 0
     owned_by: str = "kiln"
     routing: str = WEIGHTED  # gateway.routing.POLICIES
+    load_bound: float = LOAD_BOUND  # prefix-affinity: × its share of in flight, then skipped
     timeouts: tuple = ()     # ((key of TIMEOUT_KEYS, seconds), ...) set in the catalog
     _weights: tuple = field(default=(), repr=False)
 
@@ -141,7 +142,7 @@ def _entry(raw):
         pricing = Pricing(*(Decimal(str(prices[k])) for k in ("input", "cached_input", "output")))
         extra = {k: raw[k] for k in ("family", "parallel_tool_calls", "forced_tool_choice",
                                      "response_format", "stop", "created", "owned_by",
-                                     "routing") if k in raw}
+                                     "routing", "load_bound") if k in raw}
         extra.update({k: tuple(raw[k]) for k in ("extra_params", "image_sources") if k in raw})
         entry = ModelEntry(id=raw["id"], context_window=int(raw["context_window"]),
                            max_output_tokens=int(raw["max_output_tokens"]), pricing=pricing,
@@ -180,6 +181,9 @@ def _check_fleet(entry):
     and cap, a known routing policy."""
     if not entry.backends:
         raise CatalogError(f"catalog entry {entry.id!r}: no backends")
+    if isinstance(entry.load_bound, bool) or not isinstance(entry.load_bound, (int, float)) \
+            or not 1 <= entry.load_bound < math.inf:
+        raise CatalogError(f"catalog entry {entry.id!r}: load_bound must be a number, 1 or more")
     if entry.routing not in POLICIES:
         raise CatalogError(f"catalog entry {entry.id!r}: routing {entry.routing!r} is not one "
                            f"of {', '.join(POLICIES)}")

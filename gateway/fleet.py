@@ -48,7 +48,8 @@ class Route:
         deadline = time.monotonic() + wait_s
         while True:
             live = self._live()
-            for backend in rank(self.entry.routing, live, self.key):
+            for backend in rank(self.entry.routing, live, self.key,
+                                load_bound=self.entry.load_bound):
                 slot = self._slots(backend).try_take()
                 if slot is not None:
                     return self._hold(backend, slot)

@@ -10,8 +10,9 @@ the first that has a free slot. What each policy is for is in docs/ROUTING.md.
 - ``prefix-affinity``: rendezvous hashing (Thaler and Ravishankar, 1998) of the conversation's
   prefix, so that every turn of a conversation lands on the backend that holds its KV cache,
   with bounded loads (Mirrokni, Thorup and Zadimoghaddam, "Consistent Hashing with Bounded
-  Loads", 2018): a backend past :data:`LOAD_BOUND` times its share of the requests in flight
-  is passed over for the next one in the conversation's order.
+  Loads", 2018): a backend past ``load_bound`` (catalog; :data:`LOAD_BOUND` by default) times
+  its share of the requests in flight is passed over for the next one in the conversation's
+  order.
 """
 import hashlib
 import json
@@ -29,15 +30,17 @@ LOAD_SLACK = 2
 _TOP = float(2 ** 64)
 
 
-def rank(policy, candidates, key=None, rng=random):
+def rank(policy, candidates, key=None, rng=random, load_bound=LOAD_BOUND):
     """Return ``candidates`` (backends with weight > 0) in the order ``policy`` offers them.
 
     :param key: the conversation's prefix key (:func:`prefix_key`), for ``prefix-affinity``.
+    :param load_bound: for ``prefix-affinity``, the multiple of its share of the requests in
+        flight above which a backend is passed over.
     """
     if len(candidates) <= 1:
         return list(candidates)
     if policy == PREFIX_AFFINITY and key is not None:
-        return affinity_order(candidates, key)
+        return affinity_order(candidates, key, load_bound)
     if policy == WEIGHTED:
         return weighted_order(candidates, rng)
     return least_outstanding_order(candidates, rng)
@@ -57,19 +60,19 @@ def least_outstanding_order(candidates, rng=random):
     return pair + rest
 
 
-def affinity_order(candidates, key):
+def affinity_order(candidates, key, load_bound=LOAD_BOUND):
     """The conversation's rendezvous order, backends over their bounded load moved last."""
     ranked = sorted(candidates, key=lambda b: -_score(key, b))
     loads = {b.url: b.state.load() for b in candidates}
     total = sum(loads.values()) + 1
     weights = sum(b.weight for b in candidates)
-    within = [b for b in ranked if loads[b.url] + 1 <= _bound(b, total, weights)]
+    within = [b for b in ranked if loads[b.url] + 1 <= _bound(b, total, weights, load_bound)]
     return within + [b for b in ranked if b not in within]
 
 
-def _bound(backend, total, weights):
+def _bound(backend, total, weights, load_bound):
     share = total * backend.weight / weights
-    return max(math.ceil(LOAD_BOUND * share), math.floor(share) + LOAD_SLACK)
+    return max(math.ceil(load_bound * share), math.floor(share) + LOAD_SLACK)
 
 
 def _score(key, backend):

@@ -30,6 +30,7 @@ id = "fleet-model"
 context_window = 8192
 max_output_tokens = 1024
 routing = "{routing}"
+load_bound = {load_bound}
 timeouts = {{ {timeouts} }}
 pricing = {{ input = "0.10", cached_input = "0.05", output = "0.30" }}
 backends = [{backends}]
@@ -37,11 +38,12 @@ backends = [{backends}]
 
 
 def write_catalog(path, urls, routing="least-outstanding", timeouts="first_byte_s = 30",
-                  weights=None, caps=None):
+                  weights=None, caps=None, load_bound=1.25):
     weights, caps = weights or [1] * len(urls), caps or [0] * len(urls)
     backends = ", ".join(f'{{ url = "{u}", model = "m", weight = {w}, max_in_flight = {c} }}'
                          for u, w, c in zip(urls, weights, caps, strict=True))
-    path.write_text(CATALOG.format(routing=routing, timeouts=timeouts, backends=backends))
+    path.write_text(CATALOG.format(routing=routing, timeouts=timeouts, backends=backends,
+                                   load_bound=load_bound))
     return path
 
 

@@ -36,7 +36,8 @@ def services(tmp_path, **settings):
 
 
 def entry(fleet, policy="weighted"):
-    return SimpleNamespace(id="m", backends=tuple(fleet), routing=policy)
+    return SimpleNamespace(id="m", backends=tuple(fleet), routing=policy,
+                           load_bound=routing.LOAD_BOUND)
 
 
 def conversation(system, first, later=()):
@@ -117,6 +118,17 @@ def test_prefix_affinity_skips_a_backend_over_its_bounded_load():
     assert routing.rank("prefix-affinity", fleet, key)[-1] is home  # share 41/3: bound 18
     home.state.in_flight, others[0].state.in_flight, others[1].state.in_flight = 16, 12, 12
     assert routing.rank("prefix-affinity", fleet, key)[0] is home  # 17 fits 18
+
+
+def test_a_looser_load_bound_keeps_more_on_home():
+    fleet = backends()
+    key = routing.prefix_key(conversation("sys", "q"))
+    home = routing.rank("prefix-affinity", fleet, key)[0]
+    others = [b for b in fleet if b is not home]
+    home.state.in_flight, others[0].state.in_flight, others[1].state.in_flight = 13, 9, 8
+    # share (30 + 1) / 3 = 10.3: bound 13 at 1.25 (14 does not fit), 16 at 1.5
+    assert routing.rank("prefix-affinity", fleet, key)[0] is not home
+    assert routing.rank("prefix-affinity", fleet, key, load_bound=1.5)[0] is home
 
 
 # -- circuit breaker -----------------------------------------------------------------------
@@ -307,6 +319,7 @@ id = "m"
 context_window = 4096
 max_output_tokens = 512
 routing = "{routing}"
+load_bound = {load_bound}
 timeouts = {timeouts}
 pricing = {{ input = "1", cached_input = "0.5", output = "2" }}
 backends = [{{ url = "http://a:1/v1", model = "x", max_in_flight = {cap} }},
@@ -315,15 +328,17 @@ backends = [{{ url = "http://a:1/v1", model = "x", max_in_flight = {cap} }},
 
 
 def write_catalog(tmp_path, routing="prefix-affinity", timeouts="{ first_byte_s = 600 }",
-                  cap="1"):
+                  cap="1", load_bound="1.5"):
     path = tmp_path / "models.toml"
-    path.write_text(FLEET_CATALOG.format(routing=routing, timeouts=timeouts, cap=cap))
+    path.write_text(FLEET_CATALOG.format(routing=routing, timeouts=timeouts, cap=cap,
+                                         load_bound=load_bound))
     return path
 
 
 def test_catalog_reads_routing_timeouts_and_caps(tmp_path):
     model = load_catalog(write_catalog(tmp_path))["m"]
     assert model.routing == "prefix-affinity" and model.backends[0].max_in_flight == 1
+    assert model.load_bound == 1.5
     timeouts = model.timeouts_for(Config.from_mapping({"upstream_connect_timeout_s": 3,
                                                        "upstream_read_timeout_s": 100}))
     assert (timeouts.connect_s, timeouts.first_byte_s, timeouts.idle_s) == (3, 600, 100)
@@ -332,7 +347,7 @@ def test_catalog_reads_routing_timeouts_and_caps(tmp_path):
 @pytest.mark.parametrize("fields", [
     {"routing": "fastest"}, {"timeouts": "{ first_byte_s = 0 }"},
     {"timeouts": "{ header_s = 5 }"}, {"timeouts": '{ idle_s = "x" }'}, {"cap": "-1"},
-    {"cap": "1.5"},
+    {"cap": "1.5"}, {"load_bound": "0.9"}, {"load_bound": '"x"'},
 ])
 def test_catalog_refuses_bad_fleet_fields(tmp_path, fields):
     with pytest.raises(CatalogError):
