@@ -107,17 +107,17 @@ def test_prefix_affinity_skips_a_backend_over_its_bounded_load():
     key = routing.prefix_key(conversation("sys", "q"))
     home = routing.rank("prefix-affinity", fleet, key)[0]
     others = [b for b in fleet if b is not home]
-    # A backend is offered while its in flight + 1 fits max(ceil(1.25 × share), share + 2),
+    # A backend is offered while its in flight + 1 fits max(ceil(1.5 × share), share + 2),
     # share = (all in flight + 1) / 3.
     home.state.in_flight = 4  # share 5/3: bound 3 < 5
     order = routing.rank("prefix-affinity", fleet, key)
     assert order[0] is not home and order[-1] is home
     home.state.in_flight = 2  # share 1: bound 3, and 3 fits (few in flight: no scattering)
     assert routing.rank("prefix-affinity", fleet, key)[0] is home
+    home.state.in_flight, others[0].state.in_flight, others[1].state.in_flight = 22, 10, 10
+    assert routing.rank("prefix-affinity", fleet, key)[-1] is home  # share 43/3: bound 22
     home.state.in_flight, others[0].state.in_flight, others[1].state.in_flight = 20, 10, 10
-    assert routing.rank("prefix-affinity", fleet, key)[-1] is home  # share 41/3: bound 18
-    home.state.in_flight, others[0].state.in_flight, others[1].state.in_flight = 16, 12, 12
-    assert routing.rank("prefix-affinity", fleet, key)[0] is home  # 17 fits 18
+    assert routing.rank("prefix-affinity", fleet, key)[0] is home  # 21 fits 41/3 × 1.5
 
 
 def test_a_looser_load_bound_keeps_more_on_home():
@@ -127,7 +127,7 @@ def test_a_looser_load_bound_keeps_more_on_home():
     others = [b for b in fleet if b is not home]
     home.state.in_flight, others[0].state.in_flight, others[1].state.in_flight = 13, 9, 8
     # share (30 + 1) / 3 = 10.3: bound 13 at 1.25 (14 does not fit), 16 at 1.5
-    assert routing.rank("prefix-affinity", fleet, key)[0] is not home
+    assert routing.rank("prefix-affinity", fleet, key, load_bound=1.25)[0] is not home
     assert routing.rank("prefix-affinity", fleet, key, load_bound=1.5)[0] is home
 
 
@@ -338,7 +338,7 @@ def write_catalog(tmp_path, routing="prefix-affinity", timeouts="{ first_byte_s 
 def test_catalog_reads_routing_timeouts_and_caps(tmp_path):
     model = load_catalog(write_catalog(tmp_path))["m"]
     assert model.routing == "prefix-affinity" and model.backends[0].max_in_flight == 1
-    assert model.load_bound == 1.5
+    assert model.load_bound == 1.5 == routing.LOAD_BOUND
     timeouts = model.timeouts_for(Config.from_mapping({"upstream_connect_timeout_s": 3,
                                                        "upstream_read_timeout_s": 100}))
     assert (timeouts.connect_s, timeouts.first_byte_s, timeouts.idle_s) == (3, 600, 100)
