@@ -4,7 +4,9 @@
 Passive: consecutive failures open the breaker for a cool-down that doubles with every
 opening in a row (up to a ceiling); after the cool-down requests may try the backend again
 (half-open), and the first failure reopens it at once. One success closes it. A refused
-connection is proof enough: it opens the breaker at once.
+connection is proof enough: it opens the breaker at once. The requests' side
+(:meth:`gateway.fleet.Route.open`) never opens the breaker of a model's last backend in
+rotation on a 5xx or a timeout.
 
 Active: ``GET {url}{probe_path}``. An answer below 500 closes the breaker (the backend came
 back before a client paid for finding out); a refused connection or a 5xx counts as a failure;
