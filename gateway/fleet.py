@@ -173,7 +173,8 @@ def prepare(catalog, config):
 
 
 def observe(metrics, route, first_token_s, completion_tokens, stream_s):
-    """Count a settled generation's time to first token and tokens/s on its backend."""
+    """Count a settled generation's time to first token on its backend, and its tokens/s
+    after the first (``stream_s`` 0: not a stream, no rate)."""
     backend = route.backend
     if backend is None or first_token_s is None:
         return
