@@ -165,11 +165,13 @@ def prepare(catalog, config):
     """Give every backend of ``catalog`` its slots and the host's load counters (one cell of
     this worker's)."""
     directory = slot_dir(config.slot_dir)
-    host_load = HostLoad(directory)
-    for entry in catalog.values():
-        for backend in entry.backends:
-            backend.state.attach(Slots(directory, backend.url, backend.max_in_flight),
-                                 host_load, backend.url)
+    host_load, slots = HostLoad(directory), {}
+    backends = [b for entry in catalog.values() for b in entry.backends]
+    for backend in backends:  # one server named by several models: one cap, the smallest
+        caps = [b.max_in_flight for b in backends if b.url == backend.url and b.max_in_flight]
+        if backend.url not in slots:
+            slots[backend.url] = Slots(directory, backend.url, min(caps, default=0))
+        backend.state.attach(slots[backend.url], host_load, backend.url)
 
 
 def observe(metrics, route, first_token_s, completion_tokens, stream_s):
