@@ -363,3 +363,15 @@ def test_kiln_catalog_check(tmp_path):
     assert bad.exit_code == 1 and "routing 'fastest' is not one of" in bad.output
     missing = runner.invoke(cli.main, ["catalog", "check", str(tmp_path / "nope.toml")])
     assert missing.exit_code == 1 and "nope.toml" in missing.output
+
+
+def test_a_server_named_by_two_models_has_one_cap(tmp_path):
+    from gateway.fleet import prepare
+    shared = [Backend(url=URLS[0], model="a", max_in_flight=2),
+              Backend(url=URLS[0], model="b", max_in_flight=1), Backend(url=URLS[1], model="c")]
+    catalog = {"a": entry(shared[:1]), "b": entry(shared[1:2]), "c": entry(shared[2:])}
+    prepare(catalog, Config.from_mapping({"slot_dir": str(tmp_path)}))
+    assert shared[0].state.slots is shared[1].state.slots
+    assert shared[0].state.slots.limit == 1 and shared[2].state.slots.limit == 0
+    shared[0].state.begin()
+    assert shared[1].state.load() == 1  # one count per server, read through the host's cells
