@@ -3,9 +3,12 @@ upstreams: retries before the first byte, timeouts, per-backend caps, the probe,
 reload (docs/ROUTING.md). The policies and the breaker in-process: tests/test_routing.py."""
 import json
 import signal
+import socket
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from decimal import Decimal
+from types import SimpleNamespace
 
 import openai
 import pytest
@@ -16,6 +19,7 @@ from fake_upstream import FakeUpstream, Hang, Send, Status, chat_chunk, default_
     error_reply, sse, sse_event
 from gateway.billing import Usage, cost_usd, to_nanos
 from gateway.catalog import Pricing
+from gateway.errors import UpstreamTimeout
 from gateway_proc import balance_nanos, free_port, make_org, usage_event, wait_until
 
 PRICING = Pricing(Decimal("0.10"), Decimal("0.05"), Decimal("0.30"))
@@ -282,3 +286,55 @@ def test_drain_by_weight_zero_and_reload_lose_no_request(start_gateway, trio, tm
     assert long_body.endswith(b"data: [DONE]\n\n") and b"t29" in long_body
     assert len(draining.requests) == seen  # drained: nothing new after the reload
     assert len(staying.requests) >= 20
+
+
+# -- a connect timeout, in-process -----------------------------------------------------------
+
+@pytest.fixture
+def full_backlog():
+    """A port whose listener never accepts and whose backlog is full: a connect to it times
+    out (the kernel drops the SYN)."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    port = listener.getsockname()[1]
+    fillers = []
+    for _ in range(4):
+        filler = socket.socket()
+        filler.setblocking(False)
+        filler.connect_ex(("127.0.0.1", port))
+        fillers.append(filler)
+    yield f"http://127.0.0.1:{port}/v1"
+    for sock in fillers + [listener]:
+        sock.close()
+
+
+def test_a_connect_timeout_names_itself_and_is_retried_elsewhere(full_backlog, fake, tmp_path):
+    from gateway import upstream
+    from gateway.catalog import Backend
+    from gateway.config import Config
+    from gateway.fleet import Route
+    from gateway.metrics import Metrics
+    services = SimpleNamespace(config=Config.from_mapping({"slot_dir": str(tmp_path)}),
+                               metrics=Metrics())
+    silent, alive = Backend(url=full_backlog, model="m"), Backend(url=fake.base_url, model="m")
+    entry = SimpleNamespace(id="m", backends=(silent, alive), routing="weighted",
+                            load_bound=1.5)
+    session = upstream.create_session(4)
+    with pytest.raises(UpstreamTimeout) as err:
+        upstream.open_chat(session, silent, b"{}", (0.5, 5))
+    assert err.value.code == "upstream_connect_timeout"
+
+    def route_via_silent():  # a route whose first try is the silent backend (weighted draw)
+        route = Route(services, entry, MESSAGES)
+        if route.take(0) is silent:
+            return route
+        route.release()
+        return None
+    route = wait_until(route_via_silent)
+    resp = route.open(lambda b: upstream.open_chat(session, b, json.dumps(
+        {"model": "m", "messages": MESSAGES}).encode(), (0.5, 5)))
+    assert resp.status_code == 200 and route.tried == [silent.url, alive.url]
+    resp.close()
+    route.release()
+    assert not silent.state.breaker.is_up(time.monotonic())  # out at once
