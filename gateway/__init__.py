@@ -12,7 +12,7 @@ def create_app(config=None):
     :param config: a :class:`Config`, a mapping of Config field names, or None for the
         ``KILN_*`` environment.
     """
-    from . import account, catalog, chat, cors, metrics, openapi, ops, upstream
+    from . import account, catalog, chat, cors, fleet, health, metrics, openapi, ops, upstream
     from .completions import Services
     from .db import create_engine
     from .errors import register_error_handlers
@@ -24,6 +24,7 @@ def create_app(config=None):
     app.config["KILN"] = config
     engine = create_engine(config)
     models, gauges = catalog.load_catalog(config.models), metrics.Metrics()
+    fleet.prepare(models, config)
     # Chosen once: the benchmarks' unmetered baseline has no ledger at all (KILN_METERING).
     ledger = Ledger(create_engine(config, ledger=True), config, models, gauges) \
         if config.metering else NullLedger()
@@ -44,6 +45,7 @@ def create_app(config=None):
     @app.before_request
     def _start_background():
         ops.start_sweeper(app)
+        health.start_prober(app)
         request.environ.setdefault("kiln.client_addr", client_address(config, request))
 
     # After the hook above, so that a preflight's log line has the client address.

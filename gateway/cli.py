@@ -16,7 +16,7 @@ import sqlalchemy as sa
 
 from . import auth, ops
 from .account import org_credits
-from .catalog import load_catalog
+from .catalog import CatalogError, load_catalog
 from .config import Config
 from .db import create_engine, is_postgres, storable_text
 from .ledger import Ledger
@@ -377,6 +377,28 @@ def sweep(ctx):
                     load_catalog(ctx.config.models))
     closed = ledger.sweep()
     click.echo(f"closed {closed}")
+
+
+@main.group()
+def catalog():
+    """The model catalog (KILN_MODELS)."""
+
+
+@catalog.command("check")
+@click.argument("path", type=click.Path(dir_okay=False))
+def catalog_check(path):
+    """Validate a catalog before a reload; exit status 1 and the reason if it is not valid."""
+    try:
+        models = load_catalog(path)
+    except CatalogError as err:
+        raise click.ClickException(str(err)) from err
+    for entry in models.values():
+        live = sum(1 for b in entry.backends if b.weight > 0)
+        drained = len(entry.backends) - live
+        click.echo(f"{entry.id}: {live} in rotation, {drained} drained, routing {entry.routing}")
+        if not live:
+            click.echo(f"warning: every backend of {entry.id} is drained (503 for it)", err=True)
+    click.echo(f"ok: {len(models)} models")
 
 
 if __name__ == "__main__":

@@ -36,7 +36,8 @@ ERROR_CODES = {
     413: ["request_too_large"],
     429: ["rate_limit_exceeded"],
     500: ["internal_error"],
-    503: ["maintenance", "no_backend_available", "service_unavailable", "database_unavailable"],
+    503: ["maintenance", "no_backend_available", "backends_at_capacity", "service_unavailable",
+          "database_unavailable"],
 }
 ERROR_WHY = {
     400: "Invalid request: malformed JSON, a wrong type or range, an empty `messages` "
