@@ -3,9 +3,10 @@
 The request flows one way (README, "Layout"): the view (:mod:`gateway.chat`) calls
 :func:`respond`; this module calls the contract (:mod:`gateway.parameters`), the ledger
 (:mod:`gateway.ledger`), the money math (:mod:`gateway.billing`, :mod:`gateway.metering`) and
-the relay (:mod:`gateway.relay`, :mod:`gateway.upstream`, :mod:`gateway.sse`), which return
-values or take callbacks. A generation is settled in exactly one place, the ``finally`` of
-:func:`_life`, with the outcome :func:`gateway.outcomes.outcome_for` gives.
+the answer's two paths (:mod:`gateway.answers`) and the relay (:mod:`gateway.relay`,
+:mod:`gateway.upstream`, :mod:`gateway.sse`), which return values or take callbacks. A
+generation is settled in exactly one place, the ``finally`` of :func:`_life`, with the outcome
+:func:`gateway.outcomes.outcome_for` gives.
 """
 import json
 import logging
@@ -15,25 +16,18 @@ from dataclasses import dataclass
 
 from flask import Response
 
-from . import fleet, upstream
+from . import answers, fleet, upstream
 from .billing import Usage, cost_nanos, from_nanos, hold_nanos
 from .db import utcnow
-from .errors import GENERATION_HEADER, GatewayError, UpstreamError
+from .errors import GENERATION_HEADER, GatewayError
 from .fleet import Route
 from .ledger import AdmissionRequest, Settlement
-from .metering import (Meter, estimate_completion, estimate_prompt, is_well_formed,
-                       reconcile_usage)
-from .outcomes import (CLIENT_CLOSED, LeaseLost, Status, check_complete, error_event,
-                       outcome_for)
+from .metering import Meter, estimate_completion, estimate_prompt, reconcile_usage
+from .outcomes import CLIENT_CLOSED, LeaseLost, Status, error_event, outcome_for
 from .parameters import upstream_body
-from .relay import (ClientGone, ClientWatch, Pump, UpstreamCall,
-                    keepalives_until_answered, relay_stream)
-from .sse import DONE, StreamRules, apply_to_completion, dumps, frame
+from .relay import ClientGone, ClientWatch, UpstreamCall
 
 log = logging.getLogger("kiln.requests")
-
-STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-EVENT_STREAM = "text/event-stream"
 
 
 @dataclass(frozen=True)
@@ -46,15 +40,6 @@ class Services:
     catalog: dict
     metrics: object
     ledger: object
-
-
-@dataclass(frozen=True)
-class Head:
-    """The status line and headers of a generation's response."""
-
-    status: int
-    content_type: str
-    headers: dict
 
 
 def respond(services, principal, chat, environ):
@@ -94,7 +79,7 @@ def _life(gen):
     """
     ending, last = None, None
     try:
-        last = yield from (_stream(gen) if gen.chat.stream else _complete(gen))
+        last = yield from (answers.stream(gen) if gen.chat.stream else answers.complete(gen))
     except BaseException as exc:  # noqa: BLE001 - the one place a generation ends
         ending = exc
         if isinstance(exc, GeneratorExit) or not gen.head_sent:
@@ -325,112 +310,3 @@ def _new_gid():
 
 def _ms(seconds):
     return None if seconds is None else round(seconds * 1000, 1)
-
-
-# -- JSON ------------------------------------------------------------------------------------
-
-def _complete(gen):
-    """Read the backend's whole reply (also when the client left: the backend generates it
-    anyway, and it is billed), then write it with Kiln's usage and cost."""
-    resp = gen.send_and_wait()
-    try:
-        raw = upstream.read_whole(resp, gen.services.config.max_reply_bytes)
-    except BaseException:
-        upstream.shutdown(resp)
-        raise
-    upstream.close(resp)
-    completion = _parse_completion(raw)
-    gen.accepted = True  # a whole answer: billed, also if its client has left meanwhile
-    gen.meter.observe_completion(completion)
-    gen.mark_first_token()
-    usage = gen.final_usage()
-    apply_to_completion(completion, gen.chat.stop, gen.chat.single_tool_call)
-    if not is_well_formed(completion.get("usage"), usage):
-        completion["usage"] = _usage_object(usage)
-    gen.head_sent = True
-    yield Head(200, "application/json", {})
-    return lambda charged_usd: dumps(completion, charged_usd)
-
-
-def _parse_completion(raw):
-    try:
-        obj = json.loads(raw)
-    except ValueError as err:
-        raise UpstreamError("The model backend sent a reply that is not JSON.") from err
-    if not isinstance(obj, dict) or not isinstance(obj.get("choices"), list):
-        raise UpstreamError("The model backend sent a reply that is not a chat completion.")
-    return obj
-
-
-def _usage_object(usage):
-    out = usage.to_openai()
-    if usage.estimated:
-        out["estimated"] = True
-    return out
-
-
-# -- stream ----------------------------------------------------------------------------------
-
-def _stream(gen):
-    """Wait for the backend's status line up to one keepalive interval, then start the stream.
-
-    An error known before the headers leave is a JSON error (or the reference's plain-text 502)
-    with its own status; after that, a failure can only be told as an SSE error event.
-    """
-    config = gen.services.config
-    call = gen.send()
-    answered = call.wait(config.keepalive_s, gen.watch.gone)
-    if answered:
-        resp = _event_stream(gen.answer(call))
-    gen.head_sent = True
-    yield Head(200, EVENT_STREAM, STREAM_HEADERS)
-    yield b""  # the headers leave now (the server writes them with the first body item)
-    if not answered:
-        yield from keepalives_until_answered(call, gen.watch.gone, config.keepalive_s)
-        resp = _event_stream(gen.answer(call))
-    gen.accepted = True
-    rules = StreamRules(gen.meter, gen.chat.stop, gen.chat.single_tool_call)
-    gen.pump = Pump(resp, gen.timeouts.idle_s)
-    unfinished = yield from relay_stream(
-        gen.pump, lambda payloads: _apply(gen, rules, payloads), gen.check_lease,
-        config.keepalive_s, gen.timeouts.idle_s, config.max_event_bytes)
-    check_complete(rules, unfinished)
-    gen.read_whole = gen.pump.complete and not rules.cut
-    gen.close()  # a cut generation: the backend stops now
-    return lambda charged_usd: _end_of_stream(gen, rules, charged_usd)
-
-
-def _event_stream(resp):
-    """Return ``resp`` if it is an event stream; a backend that answered a stream request with
-    anything else (a JSON error with status 200) failed: 502, nothing billed."""
-    kind = resp.headers.get("Content-Type", "").split(";")[0].strip().lower()
-    if kind != EVENT_STREAM:
-        upstream.shutdown(resp)
-        raise UpstreamError(f"The model backend answered a stream request with "
-                            f"{kind or 'no content type'}, not an event stream.")
-    return resp
-
-
-def _apply(gen, rules, payloads):
-    """Apply the stream rules to ``payloads``; return ``(bytes to send, stop relaying)``."""
-    out = []
-    for payload in payloads:
-        framed = rules.apply(payload)
-        if framed is not None:
-            out.append(framed)
-        if rules.cut or rules.error is not None:
-            break
-    if out and gen.meter.deltas:
-        gen.mark_first_token()
-    return b"".join(out), rules.cut or rules.error is not None
-
-
-def _end_of_stream(gen, rules, charged_usd):
-    """Return the last bytes of a complete stream: the end of choices Kiln cut at the budget,
-    the usage chunk with the USD charged if the client asked for it, and ``[DONE]``."""
-    tail = rules.length_frame() if rules.cut else b""
-    if gen.chat.include_usage:
-        usage = gen.final_usage()
-        as_sent = is_well_formed(gen.meter.reported, usage)
-        tail += rules.usage_frame(_usage_object(usage), charged_usd, as_sent)
-    return tail + frame(DONE)
