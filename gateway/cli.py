@@ -14,14 +14,14 @@ from pathlib import Path
 import click
 import sqlalchemy as sa
 
-from . import auth, ops
+from . import ops
 from .account import org_credits
 from .catalog import load_catalog
 from .config import Config
 from .db import create_engine, is_postgres, storable_text
 from .ledger import Ledger
 from .ledger.operator import GRANT
-from .models import api_keys, credit_balances, orgs
+from .models import credit_balances, orgs
 from .reconcile import format_table, reconcile
 
 MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
@@ -221,39 +221,6 @@ def org_set(ctx, ref, limit, status):
         conn.execute(orgs.update().where(orgs.c.id == org_id).values(**values))
 
 
-@main.group()
-def key():
-    """API keys."""
-
-
-@key.command("create")
-@click.argument("org_ref")
-@click.option("--name", type=Text(api_keys.c.name.type.length), default=None)
-@click.option("--models", type=Text(4000), default=None,
-              help="Comma-separated allow-list of model ids.")
-@pass_ctx
-def key_create(ctx, org_ref, name, models):
-    """Create a key for ORG_REF; the key is the last line of stdout (shown only this once)."""
-    org_id = find_org(ctx.engine, org_ref)
-    allowed = [m.strip() for m in models.split(",") if m.strip()] if models else None
-    with ctx.engine.begin() as conn:
-        secret = auth.create_key(conn, org_id, name=name, allowed_models=allowed)
-    click.echo(f"# key prefix {secret[:auth.PREFIX_LEN]}; store the key now, it is not kept",
-               err=True)
-    click.echo(secret)
-
-
-@key.command("revoke")
-@click.argument("prefix", type=Text(api_keys.c.prefix.type.length))
-@pass_ctx
-def key_revoke(ctx, prefix):
-    """Revoke the key whose display prefix is PREFIX."""
-    with ctx.engine.begin() as conn:
-        if not auth.revoke_key(conn, prefix):
-            raise click.ClickException(f"no active key with prefix {prefix!r}")
-    click.echo(f"revoked {prefix}")
-
-
 # -- credits -------------------------------------------------------------------------------------
 
 @main.group()
@@ -378,6 +345,11 @@ def sweep(ctx):
     closed = ledger.sweep()
     click.echo(f"closed {closed}")
 
+
+# The `kiln key` commands live in their own module, which builds on the helpers above.
+from .cli_keys import key  # noqa: E402
+
+main.add_command(key)
 
 if __name__ == "__main__":
     main()
