@@ -273,7 +273,8 @@ def test_bad_key_settings_in_sql_are_refused_by_the_table(engine):
     """The same SQL an operator runs: an unknown period, a negative limit or a zero rate is
     refused by the table's checks, so admission never reads one."""
     org = make_org(engine, f"sql-{uuid.uuid4().hex[:8]}")
-    for columns in ({"limit_reset": "yearly"}, {"limit_usd": "-1"}, {"rpm_limit": 0}):
+    for columns in ({"limit_reset": "yearly"}, {"limit_usd": "-1"}, {"rpm_limit": 0},
+                    {"limit_usd": "9223372036.854775808"}):  # beyond BIGINT nano-dollars
         with pytest.raises(sa.exc.IntegrityError):
             set_key(engine, org, **columns)
     assert key_row(engine, org)["limit_usd"] is None
