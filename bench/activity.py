@@ -37,18 +37,19 @@ SETUP = [
     """INSERT INTO api_keys (id, org_id, prefix, key_hash, name)
        SELECT k, 1 + (k - 1) / :per_org, 'kiln-' || lpad(k::text, 7, '0'), md5(k::text),
               'key ' || k FROM generate_series(1, :orgs * :per_org) k""",
-    # Event i: org 1 + i % 20, one of its 5 keys, one of 4 models, a start within 90 days.
+    # Event i: org 1 + i % 20; within an org, its n-th event (n = i / 20) falls on day
+    # n % 90 back, key n / 90 % 5 and model n / 450 % 4: every day, key and model alike.
     """INSERT INTO usage_events (id, org_id, api_key_id, model, stream, status, prompt_tokens,
                                 cached_tokens, completion_tokens, cost_nanos, started_at,
                                 ended_at)
        SELECT 'gen-' || lpad(i::text, 24, '0'), 1 + i % :orgs,
-              (i % :orgs) * :per_org + 1 + (i / :orgs) % :per_org,
-              'model-' || (i / 7) % 4, i % 2 = 0,
+              (i % :orgs) * :per_org + 1 + (i / :orgs / 90) % :per_org,
+              'model-' || (i / :orgs / 450) % 4, i % 2 = 0,
               CASE WHEN i % 50 = 0 THEN 'upstream_error' ELSE 'completed' END,
               100 + i % 900, (i % 900) / 2, 10 + i % 500,
               (100 + i % 900) * 100 + (10 + i % 500) * 300,
-              :now - (i % 90) * interval '1 day' - (i % 86400) * interval '1 second',
-              :now - (i % 90) * interval '1 day' - (i % 86400) * interval '1 second'
+              :now - (i / :orgs % 90) * interval '1 day' - (i % 86400) * interval '1 second',
+              :now - (i / :orgs % 90) * interval '1 day' - (i % 86400) * interval '1 second'
        FROM generate_series(1, :events) i""",
     # The rollup, as settlement writes it (and migration 0003 backfills it).
     """INSERT INTO usage_daily (org_id, day, model, api_key_id, requests, errors,
