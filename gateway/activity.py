@@ -24,6 +24,8 @@ from .models import api_keys, usage_daily
 
 STATIC = Path(__file__).with_name("pages")
 DAYS = 30
+# The page loads and calls nothing but this origin, and no other site may frame it.
+PAGE_POLICY = "default-src 'self'; frame-ancestors 'none'; base-uri 'none'; form-action 'none'"
 _DATE = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}")
 
 bp = Blueprint("activity", __name__)
@@ -86,4 +88,7 @@ def activity():
 @page.get("/activity")
 def activity_page():
     """Serve the activity page (static; it asks for a key and calls the API with it)."""
-    return send_from_directory(STATIC, "activity.html")
+    response = send_from_directory(STATIC, "activity.html")
+    response.headers["Content-Security-Policy"] = PAGE_POLICY
+    response.headers["Referrer-Policy"] = "no-referrer"
+    return response

@@ -176,6 +176,8 @@ def test_the_page_draws_the_seeded_spend_and_keeps_the_key_in_the_session(seeded
     assert rows[org.key[:12]][:7] == ["test", org.key[:12], "none", "never", "0.00", "none",
                                       "none"]
 
+    logs = [e for e in browser.get_log("browser") if "Content Security Policy" in e["message"]]
+    assert logs == []
     resources = browser.execute_script(
         "return performance.getEntriesByType('resource').map(e => e.name)")
     assert resources and all(r.startswith(gw.base_url + "/") for r in resources)
