@@ -126,13 +126,13 @@ def test_the_last_30_utc_days_or_one_date(sqlite_app):
 
 def test_the_page_and_its_files_are_served_without_a_key(sqlite_app):
     client = sqlite_app[0]
-    page = client.get("/activity")
-    assert page.status_code == 200 and page.mimetype == "text/html"
-    assert page.headers["Content-Security-Policy"].startswith("default-src 'self'")
-    html = page.get_data(as_text=True)
+    with client.get("/activity") as page:
+        assert page.status_code == 200 and page.mimetype == "text/html"
+        assert page.headers["Content-Security-Policy"].startswith("default-src 'self'")
+        html = page.get_data(as_text=True)
     assert "http://" not in html and "https://" not in html
     for name in ("activity.js", "activity.css"):
-        served = client.get(f"/activity/static/{name}")
-        assert served.status_code == 200
-        assert "http://" not in served.get_data(as_text=True).replace(
-            "http://www.w3.org/2000/svg", "")
+        with client.get(f"/activity/static/{name}") as served:
+            assert served.status_code == 200
+            text = served.get_data(as_text=True)
+        assert "http://" not in text.replace("http://www.w3.org/2000/svg", "")
