@@ -3,8 +3,8 @@ the real gateway: a key at its cap by holds alone refuses the next request; a li
 monthly starts again at the UTC month boundary; the rate limit is exact across two gunicorn
 masters on one database; ``kiln credits reconcile`` checks each key's spend against its events.
 
-Limits are set as an operator does in SQL (README, "Keys"), on a key no request has used yet,
-so that the gateway's key cache reads them on first use.
+Limits are set as an operator does in SQL (deploy/RUNBOOK.md, "Key limits"), on a key no request
+has used yet, so that the gateway's key cache reads them on first use.
 """
 import json
 import os

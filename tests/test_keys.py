@@ -231,3 +231,43 @@ def test_an_orgs_keys_are_listed_without_secrets_and_only_to_that_org(gateway, e
     assert other.key[:12] not in text
     wait_until(lambda: requests.get(gateway.base_url + "/v1/keys", timeout=30)
                .status_code == 401)
+
+
+def runbook_sql():
+    """The SQL block of deploy/RUNBOOK.md, section "Key limits"."""
+    text = (Path(__file__).resolve().parent.parent / "deploy" / "RUNBOOK.md").read_text()
+    section = text.split("### Key limits", 1)[1]
+    return section.split("```sql\n", 1)[1].split("```", 1)[0]
+
+
+@pytest.mark.parametrize("db", ["postgres"], indirect=True)  # psql, kiln_period_start
+def test_the_runbooks_sql_sets_limits_and_recounts_a_new_period(db):
+    """The runbook's statements, as an operator pastes them into psql: the key ends with a
+    monthly period whose spend is its events of this month, and reconciliation agrees."""
+    _dialect, url, engine = db
+    _secret, prefix = create(url)
+    now = datetime.now(timezone.utc)
+    with engine.begin() as conn:
+        ids = conn.execute(sa.select(api_keys.c.id, api_keys.c.org_id)
+                           .where(api_keys.c.prefix == prefix)).one()
+        for gid, cost, ended in (("gen-old", 700, now - timedelta(days=40)),
+                                 ("gen-new", 40, now)):
+            conn.execute(usage_events.insert().values(
+                id=gid, org_id=ids.org_id, api_key_id=ids.id, model="m", stream=False,
+                status="completed", cost_nanos=cost, started_at=ended, ended_at=ended))
+    raw = engine.raw_connection()
+    try:
+        raw.driver_connection.autocommit = True
+        with raw.cursor() as cur:  # statement by statement, as psql sends them
+            for statement in runbook_sql().replace("kiln-AbCdEfG", prefix).split(";\n"):
+                if statement.strip():
+                    cur.execute(statement)
+            shown = cur.fetchall()
+    finally:
+        raw.close()
+    row = key_row(engine, prefix)
+    assert (row["limit_usd"], row["rpm_limit"], row["limit_reset"]) == (None, None, "monthly")
+    assert (row["period_start"], row["period_spent_nanos"]) == \
+        (period_start("monthly", now), 40)
+    assert shown[0][0] == prefix
+    assert f"key {prefix}" not in kiln(url, "credits", "reconcile", code=1).stderr
