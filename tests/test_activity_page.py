@@ -1,7 +1,7 @@
 """The activity page at ``/activity`` in a real headless Chromium (Debian's ``chromium`` and
 ``chromium-driver``, driven by selenium): a pasted key stays in session storage, the page shows
 the org's credits, draws the daily spend stacked by model from a seeded database, and lists the
-keys with their limits; a screenshot is kept (``KILN_TEST_ARTIFACTS``, else pytest's tmp dir).
+keys with their limits; a screenshot is kept (``TEST_ARTIFACTS_DIR``, else pytest's tmp dir).
 
 Without Chromium this test fails, naming the packages: the page is part of what ships.
 """
@@ -99,7 +99,7 @@ def browser():
 
 
 def artifacts_dir(tmp_path):
-    path = Path(os.environ.get("KILN_TEST_ARTIFACTS") or tmp_path)
+    path = Path(os.environ.get("TEST_ARTIFACTS_DIR") or tmp_path)
     path.mkdir(parents=True, exist_ok=True)
     return path
 
