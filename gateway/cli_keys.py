@@ -61,7 +61,7 @@ def key():
 
 @key.command("create")
 @click.argument("org_ref")
-@click.option("--label", "--name", "label", type=Text(api_keys.c.name.type.length),
+@click.option("--name", "--label", "label", type=Text(api_keys.c.name.type.length),
               default=None, help="What the key is for (shown in listings).")
 @click.option("--models", type=Text(4000), default=None,
               help="Comma-separated allow-list of model ids.")
