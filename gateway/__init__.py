@@ -12,7 +12,8 @@ def create_app(config=None):
     :param config: a :class:`Config`, a mapping of Config field names, or None for the
         ``KILN_*`` environment.
     """
-    from . import account, catalog, chat, cors, fleet, health, metrics, openapi, ops, upstream
+    from . import (account, activity, catalog, chat, cors, fleet, health, keys, metrics, openapi,
+                   ops, upstream)
     from .completions import Services
     from .db import create_engine
     from .errors import register_error_handlers
@@ -36,10 +37,11 @@ def create_app(config=None):
         "kiln.metrics": services.metrics, "kiln.key_cache": {}, "kiln.maintenance": {},
     })
     register_error_handlers(app)
-    for blueprint in (chat.bp, catalog.bp, account.bp):
+    for blueprint in (chat.bp, catalog.bp, account.bp, keys.bp, activity.bp):
         app.register_blueprint(blueprint, url_prefix="/v1")
     app.register_blueprint(ops.bp)
     app.register_blueprint(openapi.bp)
+    app.register_blueprint(activity.page)
     app.register_blueprint(metrics.bp)
 
     @app.before_request
