@@ -5,9 +5,10 @@ PIP     := $(PY) -m pip
 PYTHON3 ?= python3
 SEED    ?= 1
 DURATION ?= 120
+CASES   ?= 1000
 
 .DEFAULT_GOAL := help
-.PHONY: help install install-model run test lint bench chaos clean
+.PHONY: help install install-model run test check lint bench chaos fuzz clean
 
 help:  ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -38,6 +39,9 @@ bench: install  ## Benchmarks: Kiln against direct, the stack's floor and LiteLL
 
 chaos: install  ## Seeded chaos run against two gateway hosts (SEED=1 DURATION=120 seconds)
 	$(PY) tests/chaos.py --seed $(SEED) --duration $(DURATION)
+
+fuzz: install  ## Schema fuzzing of /openapi.json through a real gateway (CASES=1000 SEED=1)
+	$(PY) tests/fuzz.py --cases $(CASES) --seed $(SEED)
 
 clean:  ## Remove the virtualenv and local state
 	rm -rf $(VENV) .run *.egg-info

@@ -28,7 +28,8 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
 ERROR_CODES = {
     400: ["invalid_json", "invalid_content_type", "missing_required_parameter", "invalid_type",
           "invalid_value", "empty_array", "unsupported_parameter", "upstream_rejected",
-          "incomplete_body", "context_length_exceeded"],
+          "incomplete_body", "context_length_exceeded", "unknown_parameter",
+          "invalid_image_url"],
     401: ["invalid_api_key"],
     402: ["insufficient_credits"],
     403: ["key_revoked", "org_suspended", "model_not_allowed"],
@@ -36,7 +37,8 @@ ERROR_CODES = {
     413: ["request_too_large"],
     429: ["rate_limit_exceeded"],
     500: ["internal_error"],
-    503: ["maintenance", "no_backend_available", "service_unavailable", "database_unavailable"],
+    503: ["maintenance", "no_backend_available", "service_unavailable", "database_unavailable",
+          "database_busy"],
 }
 ERROR_WHY = {
     400: "Invalid request: malformed JSON, a wrong type or range, an empty `messages` "
@@ -135,9 +137,19 @@ def _chat_ok():
         "headers": {"X-Neocloud-Generation-Id": _generation_header()},
         "content": {
             "application/json": {"schema": _ref("ChatCompletion")},
-            "text/event-stream": {"schema": {"type": "string"}, "x-sse-data": event_data},
+            "text/event-stream": {"schema": _sse_event(), "x-sse-data": event_data},
         },
     }
+
+
+def _sse_event():
+    """One event of the stream (OpenAPI 3.1 reads a ``text/event-stream`` schema per event)."""
+    chunk_or_error = {"oneOf": [_ref("ChatCompletionChunk"), _ref("ErrorResponse")]}
+    data = {"anyOf": [{"const": "[DONE]"}, {
+        "type": "string", "contentMediaType": "application/json",
+        "contentSchema": chunk_or_error}]}
+    return {"type": "object", "required": ["data"], "properties": {
+        "data": data, "event": {"const": "message"}, "id": {"type": "string"}}}
 
 
 def _generation_header():
@@ -244,8 +256,10 @@ def _chat_request():
     }
     return {
         "type": "object", "required": ["model", "messages"], "properties": properties,
-        "description": "Integers are JSON integer literals (`1`, not `1.0`). Parameters not "
-                       "listed are forwarded to the model server unchanged.",
+        "description": "Integers are JSON integer literals (`1`, not `1.0`). The other fields "
+                       "of the OpenAI chat API are forwarded, dropped or refused by model "
+                       "(docs/PARAMETERS.md); any other field is 400 `unknown_parameter` "
+                       "unless the model's catalog entry allows it by name.",
         # stream_options needs stream true (endpoint reference).
         "if": {"required": ["stream_options"],
                "properties": {"stream_options": {"type": "object"}}},
