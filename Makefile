@@ -29,6 +29,10 @@ run: install-model  ## Start a model server, the gateway and a demo key; print a
 test: install-model  ## Run the whole test suite (Postgres on 127.0.0.1:5432, nginx, llama.cpp)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
+check: install  ## Lint and the fast in-process tests (no gunicorn, no model server, no Postgres)
+	$(VENV)/bin/ruff check gateway tests bench
+	$(PY) -m pytest -q -m unit
+
 lint:  ## Static checks
 	$(VENV)/bin/ruff check gateway tests bench
 	KILN_DATABASE_URL=sqlite:///$$(mktemp -d)/check.db sh -c '$(VENV)/bin/kiln db upgrade && $(VENV)/bin/kiln db check'

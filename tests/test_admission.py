@@ -1,6 +1,7 @@
-"""Admission on Postgres under concurrency and faults (README, "In-flight limit" and "Holds and settlement"): the in-flight limit is
-exact across gunicorn processes, leases are released on every path and reclaimed after a worker
-dies, holds never let an org spend credits it does not have, and SQL top-ups lose nothing."""
+"""Admission on Postgres under concurrency and faults (README, "In-flight limit" and "Holds and
+settlement"): the in-flight limit is exact across gunicorn processes, leases are released on
+every path and reclaimed after a worker dies, holds never let an org spend credits it does not
+have, and SQL top-ups lose nothing."""
 import functools
 import json
 import os

@@ -7,6 +7,8 @@ from gateway.billing import Usage, cost_usd, from_nanos, hold_nanos, to_nanos
 from gateway.metering import prompt_bound
 from gateway.catalog import Backend, ModelEntry, Pricing
 
+pytestmark = pytest.mark.unit
+
 PRICING = Pricing(input=Decimal("0.10"), cached_input=Decimal("0.05"), output=Decimal("0.30"))
 
 

@@ -11,6 +11,8 @@ from gateway.errors import InvalidRequest, UnsupportedParameter
 from gateway.parameters import PARAMETERS, upstream_body
 from gateway.validation import validate_chat
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parent.parent
 PRICING = Pricing(Decimal("0.1"), Decimal("0.05"), Decimal("0.3"))
 MESSAGES = [{"role": "user", "content": "hi"}]

@@ -1,4 +1,5 @@
-"""The request contract of ``POST /v1/chat/completions``, row by row (README "API", docs/PARAMETERS.md).
+"""The request contract of ``POST /v1/chat/completions``, row by row (README "API",
+docs/PARAMETERS.md).
 
 Rejections: status, ``error.type``/``code``/``param`` in the OpenAI envelope (JSON also when a
 stream was asked for), and nothing left behind: no upstream call, no usage event, no charge, no
