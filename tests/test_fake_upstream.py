@@ -8,6 +8,8 @@ import time
 
 import pytest
 import requests
+from conftest import fail_on_fake_errors
+from gateway_proc import wait_until
 from fake_upstream import (
     Close,
     FakeUpstream,
@@ -185,3 +187,17 @@ def test_error_reply(fake, plain):
     r = chat(fake)
     assert r.status_code == 429
     assert (r.text if plain else r.json()["error"]["message"]) == "slow down"
+
+
+def test_a_failing_responder_fails_the_test_not_reads_as_a_502():
+    """The shared ``fake`` fixture (conftest.py) fails a test whose fake upstream broke."""
+    def broken(record):
+        raise KeyError("a bug in a responder")
+
+    with FakeUpstream(default=broken) as server:
+        with pytest.raises(requests.ConnectionError):
+            chat(server)
+        wait_until(lambda: server.errors, timeout_s=10)
+    fail_on_fake_errors(server, since=len(server.errors))  # nothing new: passes
+    with pytest.raises(pytest.fail.Exception, match="a bug in a responder"):
+        fail_on_fake_errors(server, since=0)
