@@ -24,9 +24,7 @@ import sqlalchemy as sa
 from factories import fake_model_nanos
 from fake_upstream import (Close, Gate, Hang, Reset, Send, Sleep, Status, chat_chunk,
                            chat_completion, default_script, error_reply, json_reply, sse_event)
-from gateway.billing import from_nanos, hold_nanos, to_nanos
-from gateway.catalog import load_catalog
-from gateway.metering import prompt_bound
+from gateway.billing import to_nanos
 from gateway_proc import balance_nanos, make_org, usage_event, wait_until
 
 CHAT = "/v1/chat/completions"
@@ -331,19 +329,13 @@ def db_now(engine):
         return conn.execute(sa.text("SELECT CURRENT_TIMESTAMP")).scalar_one()
 
 
-def load_catalog_for(gw):
-    return load_catalog(gw.env["KILN_MODELS"])
-
-
 # -- credit holds --------------------------------------------------------------------------------
 
-def exact_hold(gw, body):
-    """The hold chat.py places for ``body`` (a text-only request sent as compact JSON bytes)."""
-    entry = load_catalog_for(gw)[body["model"]]
-    raw = json.dumps(body).encode()
-    return hold_nanos(entry.pricing, prompt_bound(entry.context_window, len(raw),
-                                                  len(body["messages"]), False),
-                      body.get("max_tokens") or entry.max_output_tokens)
+# The hold of a fake-vision stream with max_tokens 2000 (README, "Holds and settlement"): its
+# 116 body bytes + 8 template tokens per message + 32 per request as prompt tokens, at 1,250
+# nano-dollars each (1.25 USD per million), and 2,000 completion tokens at 10,000 each.
+VISION_BODY = {"model": "fake-vision", "messages": MESSAGES, "stream": True, "max_tokens": 2000}
+VISION_HOLD_NANOS = (116 + 8 + 32) * 1_250 + 2_000 * 10_000  # 20,195,000: $0.020195
 
 
 def test_holds_above_the_credits_are_all_402_and_never_overdraw(gateway, fake, engine):
@@ -351,9 +343,8 @@ def test_holds_above_the_credits_are_all_402_and_never_overdraw(gateway, fake, e
     available amount, the hold and the advice to lower max_tokens; nothing reaches the upstream
     and the balance never moves."""
     org = make_org(engine, f"poor-{uuid.uuid4().hex[:8]}", usd="0.01")
-    body = stream_body("fake-vision", max_tokens=2000)
-    hold = exact_hold(gateway, body)
-    assert hold > 10**7
+    body = VISION_BODY
+    assert len(json.dumps(body).encode()) == 116 and VISION_HOLD_NANOS > 10**7
     seen, stop = [], threading.Event()
 
     def watch_balance():
@@ -371,7 +362,7 @@ def test_holds_above_the_credits_are_all_402_and_never_overdraw(gateway, fake, e
     error = responses[0].json()["error"]
     assert error["code"] == "insufficient_credits"
     assert "0.01 USD available" in error["message"]
-    assert f"{format(from_nanos(hold).normalize(), 'f')} USD" in error["message"]
+    assert "0.020195 USD" in error["message"]
     assert "max_tokens" in error["message"]
     assert fake.requests == []
     assert seen and all(s == (10**7, 0, 0) for s in seen)
@@ -381,10 +372,8 @@ def test_holds_above_the_credits_are_all_402_and_never_overdraw(gateway, fake, e
 def test_credits_for_exactly_three_holds_admit_exactly_three(gateway, fake, engine):
     """Credits of exactly three holds, 100 requests at once while the admitted ones stay
     open: exactly three admitted, 97 get 402; settled, the balance is grants minus costs."""
-    body = stream_body("fake-vision", max_tokens=2000)
-    hold = exact_hold(gateway, body)
-    org = make_org(engine, f"three-{uuid.uuid4().hex[:8]}",
-                   usd=str(from_nanos(3 * hold)))
+    body, hold = VISION_BODY, VISION_HOLD_NANOS
+    org = make_org(engine, f"three-{uuid.uuid4().hex[:8]}", usd="0.060585")  # 3 holds
     for _ in range(3):
         fake.enqueue([SSE_HEAD, Hang()])
     responses = concurrently(100, lambda i: post(gateway.base_url, org, body, stream=True))
