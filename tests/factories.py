@@ -16,9 +16,9 @@ MESSAGES = [{"role": "user", "content": "Say hello"}]
 TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Weather now.",
                                          "parameters": {"type": "object", "properties": {}}}}
 DROP = object()  # marks a key to leave out of a body (chat_body)
-# fake-model in tests/conftest.py's catalog: 0.10, 0.05 and 0.30 USD per million tokens are
-# 100, 50 and 300 nano-dollars per token.
-FAKE_MODEL_NANOS = {"input": 100, "cached_input": 50, "output": 300}
+# fake-model in tests/conftest.py's catalog, and smollm2-135m in gateway/demo_models.toml:
+# 0.10, 0.05 and 0.30 USD per million tokens are 100, 50 and 300 nano-dollars per token.
+FAKE_MODEL_NANOS = SMOLLM2_NANOS = {"input": 100, "cached_input": 50, "output": 300}
 UNREACHABLE_BACKEND = "http://127.0.0.1:9/v1"  # the discard port: nothing answers there
 
 
@@ -28,11 +28,16 @@ def chat_body(model="fake-model", **changes):
     return {k: v for k, v in body.items() if v is not DROP}
 
 
-def fake_model_nanos(prompt=0, completion=0, cached=0):
-    """What ``prompt``/``cached``/``completion`` tokens of fake-model cost, in nano-dollars."""
-    price = FAKE_MODEL_NANOS
+def literal_cost_nanos(price, prompt=0, completion=0, cached=0):
+    """What ``prompt``/``cached``/``completion`` tokens cost at ``price`` (nano-dollars per
+    token, whole numbers: no rounding), in nano-dollars."""
     return ((prompt - cached) * price["input"] + cached * price["cached_input"]
             + completion * price["output"])
+
+
+def fake_model_nanos(prompt=0, completion=0, cached=0):
+    """What ``prompt``/``cached``/``completion`` tokens of fake-model cost, in nano-dollars."""
+    return literal_cost_nanos(FAKE_MODEL_NANOS, prompt, completion, cached)
 
 
 def pricing(input="0.10", cached_input="0.05", output="0.30"):
