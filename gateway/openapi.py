@@ -10,7 +10,8 @@ Rules that depend on the model (``max_tokens`` at most its max output, image par
 from flask import Blueprint, current_app, jsonify
 
 from .outcomes import Status
-from .parameters import MAX_STOP_STRINGS, RANGES, REASONING_EFFORTS
+from .parameters import INT64, MAX_N, MAX_STOP_STRINGS, PARAMETERS, RANGES, REASONING_EFFORTS, \
+    REFUSE
 
 bp = Blueprint("openapi", __name__)
 
@@ -242,8 +243,8 @@ def _chat_request():
         "reasoning_effort": _nullable({"enum": list(REASONING_EFFORTS)}),
         **{name: _nullable({"type": "number", "minimum": low, "maximum": high})
            for name, (low, high) in RANGES.items()},
-        "n": _nullable({"type": "integer", "minimum": 1}),
-        "seed": _nullable({"type": "integer"}),
+        "n": _nullable({"type": "integer", "minimum": 1, "maximum": MAX_N}),
+        "seed": _nullable({"type": "integer", "minimum": -INT64, "maximum": INT64 - 1}),
         "stop": _nullable({"oneOf": [
             {"type": "string", "minLength": 1},
             {"type": "array", "maxItems": MAX_STOP_STRINGS,
@@ -254,17 +255,27 @@ def _chat_request():
         "ignore_eos": {"description": "true is rejected (400 `unsupported_parameter`) on "
                                       "gpt-oss models; forwarded elsewhere."},
     }
+    properties.update({name: {"description": _treatment(what)}
+                       for name, what in PARAMETERS.items() if name not in properties})
     return {
         "type": "object", "required": ["model", "messages"], "properties": properties,
-        "description": "Integers are JSON integer literals (`1`, not `1.0`). The other fields "
-                       "of the OpenAI chat API are forwarded, dropped or refused by model "
-                       "(docs/PARAMETERS.md); any other field is 400 `unknown_parameter` "
-                       "unless the model's catalog entry allows it by name.",
+        "additionalProperties": False,
+        "description": "Integers are JSON integer literals (`1`, not `1.0`). Fields listed "
+                       "without a schema are OpenAI chat parameters Kiln forwards, drops or "
+                       "refuses (docs/PARAMETERS.md); any other field is 400 "
+                       "`unknown_parameter` unless the model's catalog entry allows it by "
+                       "name (`extra_params`).",
         # stream_options needs stream true (endpoint reference).
         "if": {"required": ["stream_options"],
                "properties": {"stream_options": {"type": "object"}}},
         "then": {"required": ["stream"], "properties": {"stream": {"enum": TRUE_STREAM}}},
     }
+
+
+def _treatment(what):
+    if what == REFUSE:
+        return "Refused: 400 `unsupported_parameter` (docs/PARAMETERS.md)."
+    return f"OpenAI chat parameter, {what} by Kiln (docs/PARAMETERS.md)."
 
 
 def _message(role, properties, required):
