@@ -152,7 +152,7 @@ class Fuzzer:
         except requests.RequestException as err:
             self.figures.violate("transport", label, repr(err))
             return
-        self.figures.statuses[(label, response.status_code)] += 1
+        self.figures.statuses[(label, mode, response.status_code)] += 1
         # schemathesis' responses have lower-case header names and lists of values.
         self.generations += response.headers.get("x-neocloud-generation-id", [])[:1]
         self._check_response(label, case, response)
@@ -223,10 +223,12 @@ def format_figures(figures, seconds=None):
     for label in sorted({label for label, _ in figures.cases}):
         lines.append(f"  {label:<28} {figures.cases[(label, 'positive')]:>9} "
                      f"{figures.cases[(label, 'negative')]:>9}")
-    lines.append(f"  {'operation':<28} responses by status")
-    for label in sorted({label for label, _ in figures.statuses}):
-        counts = {s: n for (op, s), n in sorted(figures.statuses.items()) if op == label}
-        lines.append(f"  {label:<28} " + "  ".join(f"{s}: {n}" for s, n in counts.items()))
+    lines.append(f"  {'operation':<28} {'mode':<9} responses by status")
+    for label, mode in sorted({(label, mode) for label, mode, _ in figures.statuses}):
+        counts = {s: n for (op, m, s), n in sorted(figures.statuses.items())
+                  if (op, m) == (label, mode)}
+        lines.append(f"  {label:<28} {mode:<9} "
+                     + "  ".join(f"{s}: {n}" for s, n in counts.items()))
     lines.append("  violations")
     for kind in ("server_error", "schema", "charged_4xx", "ledger", "in_flight", "transport"):
         lines.append(f"  {kind:<28} {figures.violations[kind]:>9}")

@@ -18,7 +18,7 @@ def test_a_few_hundred_schema_cases_break_nothing(gateway, engine, org, fake):
     figures = Fuzzer(gateway.base_url, org.key, engine, org.id, MODELS, seed=7).run(300)
     assert not figures.violations, report(figures)
     assert figures.total >= 250
-    chat = {status for (label, status) in figures.statuses if label.startswith("POST")}
+    chat = {status for (label, _, status) in figures.statuses if label.startswith("POST")}
     # Both kinds of case reached the gateway: some were served and billed, some refused.
     assert 200 in chat and 400 in chat, report(figures)
     assert figures.cases[("GET /v1/generation", "positive")] > 0
@@ -54,3 +54,15 @@ def test_a_charged_refusal_and_a_balance_off_its_events_are_violations(gateway, 
                  pending=0, leases=0)
     fuzzer._check_ledger("POST /v1/chat/completions", FakeResponse(200), before, off)
     assert fuzzer.figures.violations["ledger"] == 1
+
+
+def test_a_lease_or_hold_left_at_quiescence_is_a_violation(gateway, engine, org):
+    fuzzer = Fuzzer(gateway.base_url, org.key, engine, org.id, MODELS)
+    fuzzer.start = fuzzer.ledger()
+    fuzzer.check_quiescence()
+    assert not fuzzer.figures.violations  # a fresh org is quiet
+    leaked = Ledger(balance_nanos=fuzzer.start.balance_nanos, held_nanos=5, in_flight=1,
+                    events=1, cost_nanos=0, pending=1, leases=1)
+    fuzzer.ledger = lambda: leaked
+    fuzzer.check_quiescence()
+    assert fuzzer.figures.violations["in_flight"] == 1
