@@ -21,14 +21,13 @@ import pytest
 import requests
 import sqlalchemy as sa
 
-from factories import fake_model_nanos
+from factories import MESSAGES, fake_model_nanos
 from fake_upstream import (Close, Gate, Hang, Reset, Send, Sleep, Status, chat_chunk,
                            chat_completion, default_script, error_reply, json_reply, sse_event)
 from gateway.billing import to_nanos
 from gateway_proc import balance_nanos, make_org, usage_event, wait_until
 
 CHAT = "/v1/chat/completions"
-MESSAGES = [{"role": "user", "content": "Say hello"}]
 SSE_HEAD = Status(200, {"Content-Type": "text/event-stream"})
 LIMIT = 8  # KILN_DEFAULT_IN_FLIGHT_LIMIT
 KILN = str(Path(sys.executable).with_name("kiln"))

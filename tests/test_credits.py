@@ -13,6 +13,7 @@ import pytest
 import requests
 import sqlalchemy as sa
 
+from factories import MESSAGES
 from fake_upstream import Hang, Status, chat_chunk, chat_completion, json_reply, make_usage, sse
 from gateway.billing import from_nanos
 from gateway_proc import (balance_nanos, create_database, drop_database, make_org, migrate,
@@ -20,7 +21,6 @@ from gateway_proc import (balance_nanos, create_database, drop_database, make_or
 
 KILN = str(Path(sys.executable).with_name("kiln"))
 CHAT = "/v1/chat/completions"
-MESSAGES = [{"role": "user", "content": "Say hello"}]
 GENERATION_KEYS = {"id", "object", "model", "stream", "status", "http_status", "prompt_tokens",
                    "cached_tokens", "completion_tokens", "total_tokens", "estimated", "cost_usd",
                    "hold_usd", "error", "error_code", "anomaly", "created_at", "first_token_at",

@@ -23,13 +23,12 @@ import pytest
 import requests
 import sqlalchemy as sa
 
-from factories import fake_model_nanos
+from factories import MESSAGES, fake_model_nanos
 from fake_upstream import Close, Gate, Hang, Reset, Send, Sleep, Status, chat_chunk, \
     chat_completion, error_reply, json_reply, make_usage, sse
 from gateway_proc import ROOT, Gateway, balance_nanos, free_port, make_org, usage_event, \
     wait_until
 
-MESSAGES = [{"role": "user", "content": "Say hello"}]
 GRANT = 10 * 10**9
 SSE_HEAD = {"Content-Type": "text/event-stream"}
 

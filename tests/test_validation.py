@@ -16,10 +16,9 @@ import requests
 import sqlalchemy as sa
 
 from fake_upstream import chat_chunk, chat_completion, json_reply, make_usage, sse
-from factories import fake_model_nanos
+from factories import MESSAGES, fake_model_nanos
 from gateway_proc import balance_nanos, usage_event, wait_until
 
-MESSAGES = [{"role": "user", "content": "Say hello"}]
 START = (10 * 10**9, 0, 0)  # a fresh org: $10, nothing held, nothing in flight
 DROP = object()  # marks a key to leave out of the body
 BACKEND_MODEL = {"fake-model": "upstream-fake", "fake-vision": "upstream-vision",
