@@ -12,7 +12,8 @@ def create_app(config=None):
     :param config: a :class:`Config`, a mapping of Config field names, or None for the
         ``KILN_*`` environment.
     """
-    from . import account, catalog, chat, cors, metrics, openapi, ops, upstream
+    from . import (account, activity, catalog, chat, cors, fleet, health, keys, metrics, openapi,
+                   ops, upstream)
     from .completions import Services
     from .db import create_engine
     from .errors import register_error_handlers
@@ -24,6 +25,7 @@ def create_app(config=None):
     app.config["KILN"] = config
     engine = create_engine(config)
     models, gauges = catalog.load_catalog(config.models), metrics.Metrics()
+    fleet.prepare(models, config)
     # Chosen once: the benchmarks' unmetered baseline has no ledger at all (KILN_METERING).
     ledger = Ledger(create_engine(config, ledger=True), config, models, gauges) \
         if config.metering else NullLedger()
@@ -35,15 +37,17 @@ def create_app(config=None):
         "kiln.metrics": services.metrics, "kiln.key_cache": {}, "kiln.maintenance": {},
     })
     register_error_handlers(app)
-    for blueprint in (chat.bp, catalog.bp, account.bp):
+    for blueprint in (chat.bp, catalog.bp, account.bp, keys.bp, activity.bp):
         app.register_blueprint(blueprint, url_prefix="/v1")
     app.register_blueprint(ops.bp)
     app.register_blueprint(openapi.bp)
+    app.register_blueprint(activity.page)
     app.register_blueprint(metrics.bp)
 
     @app.before_request
     def _start_background():
         ops.start_sweeper(app)
+        health.start_prober(app)
         request.environ.setdefault("kiln.client_addr", client_address(config, request))
 
     # After the hook above, so that a preflight's log line has the client address.

@@ -55,15 +55,17 @@ def hash_key(key):
     return hashlib.sha256(key.encode()).hexdigest()
 
 
-def create_key(conn, org_id, name=None, allowed_models=None):
+def create_key(conn, org_id, name=None, allowed_models=None, **limits):
     """Create a key for ``org_id`` and return it in clear (the only time it exists in clear).
 
     :param allowed_models: iterable of public model ids, or None for every model.
+    :param limits: ``limit_usd`` (Decimal USD), ``limit_reset`` (``daily``, ``weekly``,
+        ``monthly``), ``rpm_limit`` (requests per minute); absent or None: no limit.
     """
     key = KEY_PREFIX + secrets.token_urlsafe(32)
     conn.execute(api_keys.insert().values(
         org_id=org_id, prefix=key[:PREFIX_LEN], key_hash=hash_key(key), name=name,
-        allowed_models=" ".join(sorted(allowed_models)) if allowed_models else None))
+        allowed_models=" ".join(sorted(allowed_models)) if allowed_models else None, **limits))
     return key
 
 

@@ -1,10 +1,11 @@
 """Model catalog: the TOML file named by ``KILN_MODELS``, and ``GET /v1/models``.
 
 Each entry gives a public model id, limits, input modalities, capabilities, prices (USD per
-million tokens, kept as exact decimals) and backends (base URL + upstream model name + weight).
+million tokens, kept as exact decimals), backends (base URL + upstream model name + weight +
+optional ``max_in_flight``), and how requests reach them: ``routing`` and ``timeouts``
+(docs/ROUTING.md).
 """
-import random
-import time
+import math
 import tomllib
 from dataclasses import dataclass, field
 from decimal import Decimal
@@ -14,41 +15,41 @@ from flask import Blueprint, current_app, jsonify
 
 from .auth import require_key
 from .billing import NANOS_PER_USD
-from .errors import ServiceUnavailable
 from .families import FAMILIES
 from .images import DEFAULT_SOURCES, SOURCES
+from .health import BackendState
 from .parameters import PARAMETERS
+from .routing import LOAD_BOUND, POLICIES, WEIGHTED
 
 bp = Blueprint("models", __name__)
 
 
-class Health:
-    """A backend's health as this process sees it: one that refused a connection is left out
-    of rotation for a cooldown, then tried again; any answer puts it back at once."""
+@dataclass(frozen=True)
+class Timeouts:
+    """Seconds: connecting to a backend, waiting for its first byte (its status line), and the
+    longest silence after that (between stream chunks, or within a reply's body)."""
 
-    def __init__(self):
-        self.down_until = 0.0  # time.monotonic() seconds
+    connect_s: float
+    first_byte_s: float
+    idle_s: float
 
-    def is_up(self, now):
-        return now >= self.down_until
 
-    def mark_down(self, cooldown_s):
-        self.down_until = time.monotonic() + cooldown_s
-
-    def mark_up(self):
-        self.down_until = 0.0
+TIMEOUT_KEYS = ("connect_s", "first_byte_s", "idle_s")
 
 
 @dataclass(frozen=True)
 class Backend:
-    """One model server: ``url`` is its OpenAI base URL (ending in ``/v1``); weight 0 drains it."""
+    """One model server: ``url`` is its OpenAI base URL (ending in ``/v1``); weight 0 drains it
+    (no new requests; running ones finish); ``max_in_flight`` caps its concurrent requests from
+    this host (0: no cap)."""
 
     url: str
     model: str
     weight: int = 1
     tokenize_url: str = None  # llama.cpp: ``POST {base}/extras/tokenize/count`` for exact counts
     server: str = "generic"   # the backend family (gateway.families): what it reads
-    health: Health = field(default_factory=Health, repr=False, compare=False)
+    max_in_flight: int = 0
+    state: BackendState = field(default_factory=BackendState, repr=False, compare=False)
 
 
 @dataclass(frozen=True)
@@ -84,22 +85,17 @@ class ModelEntry:
     image_sources: tuple = DEFAULT_SOURCES  # gateway.images
     created: int = 0
     owned_by: str = "kiln"
+    routing: str = WEIGHTED  # gateway.routing.POLICIES
+    load_bound: float = LOAD_BOUND  # prefix-affinity: × its share of in flight, then skipped
+    timeouts: tuple = ()     # ((key of TIMEOUT_KEYS, seconds), ...) set in the catalog
     _weights: tuple = field(default=(), repr=False)
 
-    def pick_backend(self):
-        """Return a backend chosen by weight among those in rotation.
-
-        :raises ServiceUnavailable: no backend available: every one is drained (weight 0) or
-            refused its last connection within the cooldown (503, endpoint reference "Errors").
-        """
-        now = time.monotonic()
-        live = [b for b in self.backends if b.weight > 0 and b.health.is_up(now)]
-        if not live:
-            raise ServiceUnavailable(f"No backend is available for model '{self.id}'. Retry "
-                                     f"with exponential backoff.", code="no_backend_available")
-        if len(live) == 1:
-            return live[0]
-        return random.choices(live, weights=[b.weight for b in live])[0]
+    def timeouts_for(self, config):
+        """Return the model's :class:`Timeouts`: the catalog's, else the settings'."""
+        given = dict(self.timeouts)
+        return Timeouts(given.get("connect_s", config.upstream_connect_timeout_s),
+                        given.get("first_byte_s", config.upstream_read_timeout_s),
+                        given.get("idle_s", config.upstream_read_timeout_s))
 
     def public(self):
         """Return the public description served by ``GET /v1/models``."""
@@ -145,20 +141,17 @@ def _entry(raw):
         prices = raw["pricing"]
         pricing = Pricing(*(Decimal(str(prices[k])) for k in ("input", "cached_input", "output")))
         extra = {k: raw[k] for k in ("family", "parallel_tool_calls", "forced_tool_choice",
-                                     "response_format", "stop", "created", "owned_by") if k in raw}
+                                     "response_format", "stop", "created", "owned_by",
+                                     "routing", "load_bound") if k in raw}
         extra.update({k: tuple(raw[k]) for k in ("extra_params", "image_sources") if k in raw})
         entry = ModelEntry(id=raw["id"], context_window=int(raw["context_window"]),
                            max_output_tokens=int(raw["max_output_tokens"]), pricing=pricing,
                            backends=backends, input=tuple(raw.get("input", ["text"])),
+                           timeouts=_timeouts(raw.get("timeouts", {})),
                            _weights=tuple(b.weight for b in backends), **extra)
-    except (KeyError, TypeError, ArithmeticError) as err:
+    except (KeyError, TypeError, ValueError, ArithmeticError) as err:
         raise CatalogError(f"catalog entry {raw.get('id', '?')!r}: bad or missing {err}") from err
-    if not backends:
-        raise CatalogError(f"catalog entry {entry.id!r}: no backends")
-    for backend in backends:
-        if backend.server not in FAMILIES:
-            raise CatalogError(f"catalog entry {entry.id!r}: server {backend.server!r} is not "
-                               f"one of {', '.join(FAMILIES)}")
+    _check_fleet(entry)
     if set(entry.extra_params) & set(PARAMETERS):
         raise CatalogError(f"catalog entry {entry.id!r}: extra_params may only name "
                            f"non-OpenAI parameters (Kiln decides the others)")
@@ -175,6 +168,37 @@ def _entry(raw):
         raise CatalogError(f"catalog entry {entry.id!r}: a price has more than 9 decimal places "
                            f"(nano-dollars per million tokens)")
     return entry
+
+
+def _timeouts(raw):
+    if not isinstance(raw, dict) or set(raw) - set(TIMEOUT_KEYS):
+        raise TypeError(f"timeouts (a table of {', '.join(TIMEOUT_KEYS)})")
+    values = tuple((k, float(raw[k])) for k in TIMEOUT_KEYS if k in raw)
+    if any(not (math.isfinite(v) and v > 0) for _, v in values):
+        raise TypeError("timeouts (each a number of seconds above 0)")
+    return values
+
+
+def _check_fleet(entry):
+    """Check the backends and how they are reached: known family, whole non-negative weight
+    and cap, a known routing policy."""
+    if not entry.backends:
+        raise CatalogError(f"catalog entry {entry.id!r}: no backends")
+    if isinstance(entry.load_bound, bool) or not isinstance(entry.load_bound, (int, float)) \
+            or not 1 <= entry.load_bound < math.inf:
+        raise CatalogError(f"catalog entry {entry.id!r}: load_bound must be a number, 1 or more")
+    if entry.routing not in POLICIES:
+        raise CatalogError(f"catalog entry {entry.id!r}: routing {entry.routing!r} is not one "
+                           f"of {', '.join(POLICIES)}")
+    for backend in entry.backends:
+        if backend.server not in FAMILIES:
+            raise CatalogError(f"catalog entry {entry.id!r}: server {backend.server!r} is not "
+                               f"one of {', '.join(FAMILIES)}")
+        for name in ("weight", "max_in_flight"):
+            value = getattr(backend, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise CatalogError(f"catalog entry {entry.id!r}: backend {backend.url}: {name} "
+                                   f"must be a whole number, 0 or more")
 
 
 def catalog():

@@ -17,10 +17,13 @@ import sqlalchemy as sa
 from . import auth, ops
 from .account import org_credits
 from .catalog import load_catalog
+from .cli_catalog import catalog
 from .config import Config
-from .db import create_engine, is_postgres, storable_text
+from .db import create_engine, is_postgres, storable_text, utcnow
 from .ledger import Ledger
 from .ledger.operator import GRANT
+from .cli_keys import LIST_COLUMNS, limit_changes, limit_options, list_line, parse_limit_usd
+from .keys import org_keys, set_limits
 from .models import api_keys, credit_balances, orgs
 from .reconcile import format_table, reconcile
 
@@ -223,24 +226,52 @@ def org_set(ctx, ref, limit, status):
 
 @main.group()
 def key():
-    """API keys."""
+    """API keys, with optional spend limits and request rates."""
 
 
 @key.command("create")
 @click.argument("org_ref")
-@click.option("--name", type=Text(api_keys.c.name.type.length), default=None)
-@click.option("--models", type=Text(4000), default=None,
-              help="Comma-separated allow-list of model ids.")
+@click.option("--name", "--label", "label", type=Text(api_keys.c.name.type.length))
+@click.option("--models", type=Text(4000), help="Comma-separated allow-list of model ids.")
+@limit_options
 @pass_ctx
-def key_create(ctx, org_ref, name, models):
+def key_create(ctx, org_ref, label, models, limit_text, reset, rpm):
     """Create a key for ORG_REF; the key is the last line of stdout (shown only this once)."""
+    limit = None if limit_text is None else parse_limit_usd(limit_text, is_postgres(ctx.engine))
     org_id = find_org(ctx.engine, org_ref)
     allowed = [m.strip() for m in models.split(",") if m.strip()] if models else None
     with ctx.engine.begin() as conn:
-        secret = auth.create_key(conn, org_id, name=name, allowed_models=allowed)
+        secret = auth.create_key(conn, org_id, name=label, allowed_models=allowed,
+                                 limit_usd=limit, limit_reset=None if reset == "never" else reset,
+                                 rpm_limit=rpm)
     click.echo(f"# key prefix {secret[:auth.PREFIX_LEN]}; store the key now, it is not kept",
                err=True)
     click.echo(secret)
+
+
+@key.command("set")
+@click.argument("prefix", type=Text(api_keys.c.prefix.type.length))
+@limit_options
+@click.option("--no-limit", is_flag=True, help="Remove the spend limit.")
+@click.option("--no-rpm", is_flag=True, help="Remove the request rate limit.")
+@pass_ctx
+def key_set(ctx, prefix, limit_text, reset, rpm, no_limit, no_rpm):
+    """Change the limits of the key PREFIX; a new --reset starts a new period now (its spend
+    counted again from the key's usage events since that period's start)."""
+    changes = limit_changes(limit_text, reset, rpm, no_limit, no_rpm, is_postgres(ctx.engine))
+    if not set_limits(ctx.engine, prefix, changes):
+        raise click.ClickException(f"no key with prefix {prefix!r}")
+    click.echo(f"updated {prefix}")
+
+
+@key.command("list")
+@click.argument("org_ref")
+@pass_ctx
+def key_list(ctx, org_ref):
+    """List ORG_REF's keys: label, prefix, limit, usage this period, remaining, rpm, created,
+    last used (USD as exact decimals; '-' for none)."""
+    now, rows = utcnow(), org_keys(ctx.engine, find_org(ctx.engine, org_ref))
+    click.echo("\n".join(["\t".join(LIST_COLUMNS), *(list_line(row, now) for row in rows)]))
 
 
 @key.command("revoke")
@@ -378,6 +409,8 @@ def sweep(ctx):
     closed = ledger.sweep()
     click.echo(f"closed {closed}")
 
+
+main.add_command(catalog)
 
 if __name__ == "__main__":
     main()

@@ -3,9 +3,10 @@
 The request flows one way (README, "Layout"): the view (:mod:`gateway.chat`) calls
 :func:`respond`; this module calls the contract (:mod:`gateway.parameters`), the ledger
 (:mod:`gateway.ledger`), the money math (:mod:`gateway.billing`, :mod:`gateway.metering`) and
-the relay (:mod:`gateway.relay`, :mod:`gateway.upstream`, :mod:`gateway.sse`), which return
-values or take callbacks. A generation is settled in exactly one place, the ``finally`` of
-:func:`_life`, with the outcome :func:`gateway.outcomes.outcome_for` gives.
+the answer's two paths (:mod:`gateway.answers`) and the relay (:mod:`gateway.relay`,
+:mod:`gateway.upstream`, :mod:`gateway.sse`), which return values or take callbacks. A
+generation is settled in exactly one place, the ``finally`` of :func:`_life`, with the outcome
+:func:`gateway.outcomes.outcome_for` gives.
 """
 import json
 import logging
@@ -15,23 +16,18 @@ from dataclasses import dataclass
 
 from flask import Response
 
-from . import upstream
+from . import answers, fleet, upstream
 from .billing import Usage, cost_nanos, from_nanos, hold_nanos
 from .db import utcnow
-from .errors import GENERATION_HEADER, GatewayError, UpstreamError
+from .errors import GENERATION_HEADER, GatewayError
+from .fleet import Route
 from .ledger import AdmissionRequest, Settlement
-from .metering import (Meter, estimate_completion, estimate_prompt, is_well_formed,
-                       reconcile_usage)
-from .outcomes import CLIENT_CLOSED, LeaseLost, Status, outcome_for
+from .metering import Meter, estimate_completion, estimate_prompt, reconcile_usage
+from .outcomes import CLIENT_CLOSED, LeaseLost, Status, error_event, outcome_for
 from .parameters import upstream_body
-from .relay import (ClientGone, ClientWatch, Pump, StreamFailed, UpstreamCall,
-                    keepalives_until_answered, relay_stream)
-from .sse import DONE, StreamRules, apply_to_completion, dumps, frame
+from .relay import ClientGone, ClientWatch, UpstreamCall
 
 log = logging.getLogger("kiln.requests")
-
-STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-EVENT_STREAM = "text/event-stream"
 
 
 @dataclass(frozen=True)
@@ -46,25 +42,6 @@ class Services:
     ledger: object
 
 
-@dataclass(frozen=True)
-class Head:
-    """The status line and headers of a generation's response."""
-
-    status: int
-    content_type: str
-    headers: dict
-
-
-@dataclass(frozen=True)
-class Timeouts:
-    """Seconds: connecting to a backend, waiting for its first byte (its status line, or a
-    whole non-stream reply), and the longest silence between stream chunks."""
-
-    connect_s: float
-    first_byte_s: float
-    idle_s: float
-
-
 def respond(services, principal, chat, environ):
     """Admit ``chat`` and return the Flask response that relays it.
 
@@ -73,8 +50,13 @@ def respond(services, principal, chat, environ):
     :raises GatewayError: refused before any byte of the answer (402, 429, 502, 503, ...);
         an admitted generation is settled before this is raised.
     """
-    backend = chat.entry.pick_backend()  # 503 when none is available, before any charge
-    gen = Generation(services, principal, chat, backend, environ)
+    route = Route(services, chat.entry, chat.messages)
+    route.take(services.config.backend_wait_s)  # 503 when none is free, before any charge
+    try:
+        gen = Generation(services, principal, chat, route, environ)
+    except BaseException:
+        route.release()
+        raise
     life = _life(gen)
     try:
         head = next(life)
@@ -97,14 +79,14 @@ def _life(gen):
     """
     ending, last = None, None
     try:
-        last = yield from (_stream(gen) if gen.chat.stream else _complete(gen))
+        last = yield from (answers.stream(gen) if gen.chat.stream else answers.complete(gen))
     except BaseException as exc:  # noqa: BLE001 - the one place a generation ends
         ending = exc
         if isinstance(exc, GeneratorExit) or not gen.head_sent:
             raise
         if not isinstance(exc, ClientGone):  # nobody left to tell
-            error_event = _error_event(outcome_for(exc, stream_began=True), exc)
-            last = lambda _charged: error_event  # noqa: E731
+            event = error_event(outcome_for(exc, stream_began=True), exc)
+            last = lambda _charged: event  # noqa: E731
     finally:
         try:
             gen.close()
@@ -117,11 +99,10 @@ def _life(gen):
 class Generation:
     """One admitted request: what it asked, where it went, what it produced."""
 
-    def __init__(self, services, principal, chat, backend, environ):
-        self.services, self.principal, self.chat, self.backend = services, principal, chat, backend
+    def __init__(self, services, principal, chat, route, environ):
+        self.services, self.principal, self.chat, self.route = services, principal, chat, route
         config = services.config
-        self.timeouts = Timeouts(config.upstream_connect_timeout_s,
-                                 config.upstream_read_timeout_s, config.upstream_read_timeout_s)
+        self.timeouts = chat.entry.timeouts_for(config)
         self.client_addr = environ.get("kiln.client_addr")
         self.meter = Meter(chat.completion_cap)
         self.hold_nanos = hold_nanos(chat.entry.pricing, chat.prompt_bound, chat.completion_cap)
@@ -138,7 +119,6 @@ class Generation:
         self.lease = services.ledger.track(self.gid, self.progress)
         self.watch = ClientWatch(environ.get("gunicorn.socket")) if chat.stream else None
         self.call = self.pump = None
-        self.attempts = []
         self.accepted = False   # the backend answered: what it produced is billed
         self.head_sent = False  # the response's status line went out
         self.read_whole = False  # the backend's reply was read to its end: keep the connection
@@ -148,15 +128,27 @@ class Generation:
 
     # -- backend -------------------------------------------------------------------------------
 
-    def payload(self):
-        """Return the body (bytes) this generation's backend is sent."""
-        return upstream.encode_body(upstream_body(self.chat, self.backend))
+    @property
+    def backend(self):
+        """The backend tried last: the one that served, once one answered."""
+        return self.route.backend
+
+    @property
+    def attempts(self):
+        return self.route.tried
+
+    def open_response(self):
+        """Return the first 2xx response of the route's backends (tries before the first byte)."""
+        return self.route.open(self._try)
+
+    def _try(self, backend):
+        body = upstream.encode_body(upstream_body(self.chat, backend))
+        return upstream.open_chat(self.services.session, backend, body,
+                                  (self.timeouts.connect_s, self.timeouts.first_byte_s))
 
     def send(self):
-        """Send the request to the backend from its own greenlet; return the call."""
-        self.attempts.append(self.backend.url)
-        self.call = UpstreamCall(self.services.session, self.backend, self.payload(),
-                                 self.timeouts)
+        """Send the request from its own greenlet; return the call."""
+        self.call = UpstreamCall(self.open_response)
         if self.watch is not None:
             self.watch.on_gone(self._client_gone)
         return self.call
@@ -168,19 +160,21 @@ class Generation:
 
     def send_and_wait(self):
         """Send the request from this greenlet and return the 2xx response (non-stream)."""
-        self.attempts.append(self.backend.url)
-        timeouts = (self.timeouts.connect_s, self.timeouts.first_byte_s)
         sent = time.monotonic()
         try:
-            return upstream.open_chat(self.services.session, self.backend, self.payload(),
-                                      timeouts)
+            resp = self.open_response()
         finally:
             self.observe_answer(sent)
+        upstream.set_read_timeout(resp, self.timeouts.idle_s)
+        return resp
 
     def answer(self, call):
-        """Return the call's 2xx response (raise its error), counting the backend's latency."""
+        """Return the call's 2xx response (raise its error), counting the backend's latency;
+        from now on each read waits up to the idle timeout."""
         try:
-            return call.result()
+            resp = call.result()
+            upstream.set_read_timeout(resp, self.timeouts.idle_s)
+            return resp
         finally:
             self.observe_answer(call.sent_at)
 
@@ -212,6 +206,7 @@ class Generation:
         if self.watch is not None:
             self.watch.stop()
         self.abort()
+        self.route.release()
 
     # -- metering ------------------------------------------------------------------------------
 
@@ -288,6 +283,9 @@ class Generation:
         m.child(m.cost, model).inc(float(from_nanos(cost_nanos)))
         if self.first_token_s is not None:
             m.child(m.ttft, model).observe(self.first_token_s)
+            streamed_s = time.monotonic() - self.started - self.first_token_s
+            fleet.observe(m, self.route, self.first_token_s, usage.completion,
+                          streamed_s if self.chat.stream else 0)
         if self.services.config.log_requests:
             log.info(json.dumps(self._log_record(outcome, usage, cost_nanos)))
 
@@ -312,135 +310,3 @@ def _new_gid():
 
 def _ms(seconds):
     return None if seconds is None else round(seconds * 1000, 1)
-
-
-# -- JSON ------------------------------------------------------------------------------------
-
-def _complete(gen):
-    """Read the backend's whole reply (also when the client left: the backend generates it
-    anyway, and it is billed), then write it with Kiln's usage and cost."""
-    resp = gen.send_and_wait()
-    try:
-        raw = upstream.read_whole(resp, gen.services.config.max_reply_bytes)
-    except BaseException:
-        upstream.shutdown(resp)
-        raise
-    upstream.close(resp)
-    completion = _parse_completion(raw)
-    gen.accepted = True  # a whole answer: billed, also if its client has left meanwhile
-    gen.meter.observe_completion(completion)
-    gen.mark_first_token()
-    usage = gen.final_usage()
-    apply_to_completion(completion, gen.chat.stop, gen.chat.single_tool_call)
-    if not is_well_formed(completion.get("usage"), usage):
-        completion["usage"] = _usage_object(usage)
-    gen.head_sent = True
-    yield Head(200, "application/json", {})
-    return lambda charged_usd: dumps(completion, charged_usd)
-
-
-def _parse_completion(raw):
-    try:
-        obj = json.loads(raw)
-    except ValueError as err:
-        raise UpstreamError("The model backend sent a reply that is not JSON.") from err
-    if not isinstance(obj, dict) or not isinstance(obj.get("choices"), list):
-        raise UpstreamError("The model backend sent a reply that is not a chat completion.")
-    return obj
-
-
-def _usage_object(usage):
-    out = usage.to_openai()
-    if usage.estimated:
-        out["estimated"] = True
-    return out
-
-
-# -- stream ----------------------------------------------------------------------------------
-
-def _stream(gen):
-    """Wait for the backend's status line up to one keepalive interval, then start the stream.
-
-    An error known before the headers leave is a JSON error (or the reference's plain-text 502)
-    with its own status; after that, a failure can only be told as an SSE error event.
-    """
-    config = gen.services.config
-    call = gen.send()
-    answered = call.wait(config.keepalive_s, gen.watch.gone)
-    if answered:
-        resp = _event_stream(gen.answer(call))
-    gen.head_sent = True
-    yield Head(200, EVENT_STREAM, STREAM_HEADERS)
-    yield b""  # the headers leave now (the server writes them with the first body item)
-    if not answered:
-        yield from keepalives_until_answered(call, gen.watch.gone, config.keepalive_s)
-        resp = _event_stream(gen.answer(call))
-    gen.accepted = True
-    rules = StreamRules(gen.meter, gen.chat.stop, gen.chat.single_tool_call)
-    gen.pump = Pump(resp, gen.timeouts.idle_s)
-    unfinished = yield from relay_stream(
-        gen.pump, lambda payloads: _apply(gen, rules, payloads), gen.check_lease,
-        config.keepalive_s, gen.timeouts.idle_s, config.max_event_bytes)
-    _check_complete(rules, unfinished)
-    gen.read_whole = gen.pump.complete and not rules.cut
-    gen.close()  # a cut generation: the backend stops now
-    return lambda charged_usd: _end_of_stream(gen, rules, charged_usd)
-
-
-def _event_stream(resp):
-    """Return ``resp`` if it is an event stream; a backend that answered a stream request with
-    anything else (a JSON error with status 200) failed: 502, nothing billed."""
-    kind = resp.headers.get("Content-Type", "").split(";")[0].strip().lower()
-    if kind != EVENT_STREAM:
-        upstream.shutdown(resp)
-        raise UpstreamError(f"The model backend answered a stream request with "
-                            f"{kind or 'no content type'}, not an event stream.")
-    return resp
-
-
-def _apply(gen, rules, payloads):
-    """Apply the stream rules to ``payloads``; return ``(bytes to send, stop relaying)``."""
-    out = []
-    for payload in payloads:
-        framed = rules.apply(payload)
-        if framed is not None:
-            out.append(framed)
-        if rules.cut or rules.error is not None:
-            break
-    if out and gen.meter.deltas:
-        gen.mark_first_token()
-    return b"".join(out), rules.cut or rules.error is not None
-
-
-def _check_complete(rules, unfinished):
-    if rules.error is not None:
-        message = rules.error.get("message") if isinstance(rules.error, dict) else None
-        raise StreamFailed(f"The model backend failed mid-stream: {message}" if message
-                           else "The model backend failed mid-stream.")
-    if rules.cut or rules.done or rules.finished or unfinished == b"data: " + DONE:
-        return
-    raise StreamFailed("The model backend ended the stream before it was complete.")
-
-
-def _end_of_stream(gen, rules, charged_usd):
-    """Return the last bytes of a complete stream: the end of choices Kiln cut at the budget,
-    the usage chunk with the USD charged if the client asked for it, and ``[DONE]``."""
-    tail = rules.length_frame() if rules.cut else b""
-    if gen.chat.include_usage:
-        usage = gen.final_usage()
-        as_sent = is_well_formed(gen.meter.reported, usage)
-        tail += rules.usage_frame(_usage_object(usage), charged_usd, as_sent)
-    return tail + frame(DONE)
-
-
-def _error_event(outcome, exc):
-    """Return the one SSE event that ends a failed stream: the error envelope, no ``[DONE]``."""
-    if outcome.status is Status.ERROR:
-        log.error("stream relay failed", exc_info=exc)
-        message = "The gateway failed while relaying the stream."
-    else:
-        message = outcome.message or "The model backend failed mid-stream."
-    kind = "server_error" if outcome.status is Status.ERROR else "upstream_error"
-    envelope = {"error": {"message": message, "type": kind, "param": None,
-                          "code": outcome.code}}
-    return frame(json.dumps(envelope).encode())

@@ -45,6 +45,19 @@ class Config:
     # Browser origins allowed to call the API (comma-separated, or "*"); empty: CORS off.
     cors_origins: str = ""
     log_requests: bool = True
+    # A fleet of backends (docs/ROUTING.md): retries before the first byte, circuit breaker,
+    # active probe, and the wait for a slot on a backend at its catalog max_in_flight.
+    upstream_retries: int = 2
+    upstream_retry_deadline_s: float = 60.0
+    upstream_retry_backoff_s: float = 0.05
+    breaker_failures: int = 3
+    breaker_cooldown_s: float = 5.0
+    breaker_max_cooldown_s: float = 60.0
+    probe_interval_s: float = 5.0
+    probe_path: str = "/models"
+    probe_timeout_s: float = 2.0
+    backend_wait_s: float = 5.0
+    slot_dir: str = ""
 
     @classmethod
     def from_mapping(cls, values=None):

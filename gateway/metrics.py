@@ -60,7 +60,28 @@ class Metrics:
         self.anomalies = Counter("kiln_usage_anomalies_total",
                                  "Generations whose backend reported more than Kiln held for",
                                  ["model"], registry=r)
+        self._backend_collectors(r)
 
+    def _backend_collectors(self, r):
+        """Per-backend series (docs/ROUTING.md): ``backend`` is the catalog URL."""
+        labels = ["model", "backend"]
+        self.backend_requests = Counter("kiln_backend_requests_total",
+                                        "Tries sent to a backend (retries included)", labels,
+                                        registry=r)
+        self.backend_errors = Counter("kiln_backend_errors_total",
+                                      "Failed tries by kind (the error code)",
+                                      labels + ["kind"], registry=r)
+        self.backend_in_flight = Gauge("kiln_backend_in_flight", "Requests a backend is serving",
+                                       labels, multiprocess_mode="livesum", registry=r)
+        self.backend_ttft = Histogram("kiln_backend_time_to_first_token_seconds",
+                                      "Admission to first token, by the backend that served",
+                                      labels, buckets=LATENCY_BUCKETS_S, registry=r)
+        self.backend_tokens_per_s = Histogram(
+            "kiln_backend_tokens_per_second", "Completion tokens per second after the first",
+            labels, buckets=(1, 5, 10, 25, 50, 100, 200, 400, 800), registry=r)
+        self.backend_state = Gauge("kiln_backend_state", "Circuit breaker: 0 closed, "
+                                   "1 half-open, 2 open (the worst worker's view)", labels,
+                                   multiprocess_mode="livemax", registry=r)
 
     def child(self, metric, *labels):
         """Return ``metric.labels(*labels)``, looked up once (the hot path asks per request)."""

@@ -54,6 +54,8 @@ api_keys = sa.Table(
     sa.Column("rate_count", sa.Integer, nullable=False, server_default="0"),
     sa.CheckConstraint("limit_reset IN ('daily', 'weekly', 'monthly')", name="limit_reset"),
     sa.CheckConstraint("limit_usd >= 0", name="limit_not_negative"),
+    # Admission compares the limit in BIGINT nano-dollars (migration 0004).
+    sa.CheckConstraint("limit_usd <= 9223372036.854775807", name="limit_in_range"),
     sa.CheckConstraint("rpm_limit > 0", name="rpm_positive"),
 )
 

@@ -32,25 +32,27 @@ ERROR_CODES = {
           "incomplete_body", "context_length_exceeded", "unknown_parameter",
           "invalid_image_url"],
     401: ["invalid_api_key"],
-    402: ["insufficient_credits"],
+    402: ["insufficient_credits", "key_limit_exceeded"],
     403: ["key_revoked", "org_suspended", "model_not_allowed"],
     404: ["model_not_found", "not_found"],
     413: ["request_too_large"],
     429: ["rate_limit_exceeded"],
     500: ["internal_error"],
-    503: ["maintenance", "no_backend_available", "service_unavailable", "database_unavailable",
-          "database_busy"],
+    503: ["maintenance", "no_backend_available", "backends_at_capacity", "service_unavailable",
+          "database_unavailable", "database_busy"],
 }
 ERROR_WHY = {
     400: "Invalid request: malformed JSON, a wrong type or range, an empty `messages` "
          "(`empty_array`), a parameter the model cannot honour (`unsupported_parameter`), or "
          "the model server rejected it (`upstream_rejected`). Fix the payload; do not retry.",
     401: "Missing or unknown API key.",
-    402: "The organization's available credits do not cover the request's hold.",
+    402: "The organization's available credits, or the key's spend limit "
+         "(`key_limit_exceeded`), do not cover the request's hold.",
     403: "Revoked key, suspended organization, or a model outside the key's allow-list.",
     404: "Not found; for chat completions the model is not in the catalog.",
     413: "Request body over the size limit; refused from Content-Length before it is read.",
-    429: "The organization has its limit of requests in flight. No rate-limit headers.",
+    429: "The organization has its limit of requests in flight, or the key its requests per "
+         "minute. No rate-limit headers.",
     500: "Unexpected error inside Kiln.",
     502: "The model backend returned an error or was unreachable. Plain-text body.",
     503: "Maintenance mode (with Retry-After), or no model backend available.",
@@ -68,15 +70,16 @@ def build_document(max_body_bytes):
 
     :param max_body_bytes: the request body limit in force (stated in the 413 description).
     """
+    from .openapi_keys import key_paths, key_schemas  # it builds on this module's helpers
     return {
         "openapi": "3.1.0",
         "jsonSchemaDialect": "https://json-schema.org/draft/2020-12/schema",
         "info": {"title": "Kiln gateway API", "version": "1",
                  "description": "OpenAI-compatible chat completions with prepaid credits. "
                                 "Every error is the OpenAI envelope, except 502 (plain text)."},
-        "paths": _paths(max_body_bytes),
+        "paths": {**_paths(max_body_bytes), **key_paths()},
         "components": {"schemas": {**_request_schemas(), **_response_schemas(),
-                                   **_account_schemas()},
+                                   **_account_schemas(), **key_schemas()},
                        "securitySchemes": {"apiKey": {"type": "http", "scheme": "bearer"}}},
         "security": [{"apiKey": []}],
     }

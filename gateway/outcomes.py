@@ -4,12 +4,18 @@ status the client got, and the error code.
 The flow (:mod:`gateway.completions`) asks :func:`outcome_for` once, in its one ``finally``;
 nothing else decides a status.
 """
+import json
+import logging
 from dataclasses import dataclass
 from enum import Enum
 
 from .errors import (GatewayError, ServiceUnavailable, UpstreamError, UpstreamRejected,
                      UpstreamTimeout)
 from .relay import ClientGone, StreamFailed
+from .sse import DONE, frame
+from .upstream import IDLE_TIMEOUT
+
+log = logging.getLogger("kiln.requests")
 
 
 class Status(str, Enum):
@@ -48,14 +54,14 @@ TABLE = (
     (ClientGone, Status.CLIENT_CANCELLED, CLIENT_CLOSED, None),
     (GeneratorExit, Status.CLIENT_CANCELLED, CLIENT_CLOSED, None),
     (LeaseLost, Status.ABANDONED, 500, "lease_lost"),
-    (UpstreamTimeout, Status.TIMEOUT, 502, "upstream_timeout"),
+    (UpstreamTimeout, Status.TIMEOUT, 502, None),  # its code names the timeout that fired
     (UpstreamRejected, Status.REJECTED, 400, "upstream_rejected"),
     (ServiceUnavailable, Status.UPSTREAM_ERROR, 503, None),
     (UpstreamError, Status.UPSTREAM_ERROR, 502, "upstream_error"),
     (GatewayError, Status.ERROR, None, None),
     (BaseException, Status.ERROR, 500, "internal_error"),
 )
-STREAM_FAILURES = {"timeout": (Status.TIMEOUT, "upstream_timeout"),
+STREAM_FAILURES = {"timeout": (Status.TIMEOUT, IDLE_TIMEOUT),
                    "too_large": (Status.UPSTREAM_ERROR, "upstream_too_large"),
                    "upstream_error": (Status.UPSTREAM_ERROR, "upstream_error")}
 COMPLETED = Outcome(Status.COMPLETED, 200)
@@ -85,3 +91,28 @@ def outcome_for(exc, stream_began=False):
 def _internal(exc):
     return "lease expired: the generation was closed by the sweeper" \
         if isinstance(exc, LeaseLost) else f"internal error ({type(exc).__name__})"
+
+
+def check_complete(rules, unfinished):
+    """Raise :class:`StreamFailed` unless the backend's stream ended as a complete one: its
+    ``[DONE]``, a finish reason, or Kiln's cut at the budget."""
+    if rules.error is not None:
+        message = rules.error.get("message") if isinstance(rules.error, dict) else None
+        raise StreamFailed(f"The model backend failed mid-stream: {message}" if message
+                           else "The model backend failed mid-stream.")
+    if rules.cut or rules.done or rules.finished or unfinished == b"data: " + DONE:
+        return
+    raise StreamFailed("The model backend ended the stream before it was complete.")
+
+
+def error_event(outcome, exc):
+    """Return the one SSE event that ends a failed stream: the error envelope, no ``[DONE]``."""
+    if outcome.status is Status.ERROR:
+        log.error("stream relay failed", exc_info=exc)
+        message = "The gateway failed while relaying the stream."
+    else:
+        message = outcome.message or "The model backend failed mid-stream."
+    kind = "server_error" if outcome.status is Status.ERROR else "upstream_error"
+    envelope = {"error": {"message": message, "type": kind, "param": None,
+                          "code": outcome.code}}
+    return frame(json.dumps(envelope).encode())

@@ -10,6 +10,7 @@ fields its family reads, so no backend generates more than the customer pays for
 "What Kiln does beyond passing requests through").
 """
 from .errors import InvalidRequest, UnsupportedParameter
+from . import tools
 from .families import family_of
 
 REASONING_EFFORTS = ("low", "medium", "high")
@@ -60,16 +61,16 @@ def check(body, entry):
     if params.get("top_logprobs") is not None and params.get("logprobs") is not True:
         raise InvalidRequest("Invalid 'top_logprobs': it needs 'logprobs' set to true.",
                              param="top_logprobs", code="invalid_value")
-    _functions(body, params)
-    check_tools(params.get("tools"))
-    check_tool_choice(params.get("tool_choice"), entry)
+    tools.rewrite_functions(body, params)
+    tools.check_tools(params.get("tools"))
+    tools.check_tool_choice(params.get("tool_choice"), entry)
     stream = _stream(body.get("stream"))
     cap = _max_tokens(body, entry)
     _min_tokens(params.get("min_tokens"), cap)
     return {"params": params, "extras": extras, "stream": stream,
             "include_usage": _stream_options(body.get("stream_options"), stream),
             "stop": stop_strings(params.get("stop")),
-            "single_tool_call": _parallel_tool_calls(body, entry, params),
+            "single_tool_call": tools.parallel_tool_calls(body, entry, params),
             "max_tokens": cap, "n": params.get("n", 1)}
 
 
@@ -234,113 +235,6 @@ def is_number(value):
 
 def is_int(value):
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-# -- tools ------------------------------------------------------------------------------------
-
-def check_tools(tools):
-    """Check ``tools``: function tools, each with a name and a description (reference)."""
-    if tools is None:
-        return
-    if not isinstance(tools, list):
-        raise InvalidRequest("Invalid 'tools': expected an array.", param="tools",
-                             code="invalid_type")
-    for i, tool in enumerate(tools):
-        where = f"tools[{i}]"
-        if not isinstance(tool, dict) or tool.get("type") != "function":
-            raise InvalidRequest(f"Invalid '{where}.type': only 'function' tools are supported.",
-                                 param=f"{where}.type", code="invalid_value")
-        _function_definition(tool.get("function"), f"{where}.function")
-
-
-def _function_definition(function, where):
-    if not isinstance(function, dict):
-        raise InvalidRequest(f"Missing required parameter: '{where}'.", param=where,
-                             code="missing_required_parameter")
-    for field in ("name", "description"):
-        value = function.get(field)
-        if not isinstance(value, str) or not value.strip():
-            raise InvalidRequest(f"Invalid '{where}.{field}': a non-empty string is required.",
-                                 param=f"{where}.{field}", code="missing_required_parameter")
-    if "parameters" in function and not isinstance(function["parameters"], dict):
-        raise InvalidRequest(f"Invalid '{where}.parameters': expected a JSON Schema object.",
-                             param=f"{where}.parameters", code="invalid_type")
-
-
-def _functions(body, params):
-    """Rewrite the deprecated ``functions`` / ``function_call`` into ``tools`` / ``tool_choice``."""
-    functions, call = body.get("functions"), body.get("function_call")
-    if functions is None and call is None:
-        return
-    if params.get("tools") is not None or params.get("tool_choice") is not None:
-        raise InvalidRequest("Send either 'tools' or the deprecated 'functions', not both.",
-                             param="functions", code="invalid_value")
-    if functions is not None:
-        if not isinstance(functions, list):
-            raise InvalidRequest("Invalid 'functions': expected an array.", param="functions",
-                                 code="invalid_type")
-        for i, function in enumerate(functions):
-            _function_definition(function, f"functions[{i}]")
-        params["tools"] = [{"type": "function", "function": f} for f in functions]
-    if call is not None:
-        if call in ("auto", "none"):
-            params["tool_choice"] = call
-        elif isinstance(call, dict) and isinstance(call.get("name"), str):
-            params["tool_choice"] = {"type": "function", "function": {"name": call["name"]}}
-        else:
-            raise InvalidRequest("Invalid 'function_call': expected 'auto', 'none' or "
-                                 "{\"name\": ...}.", param="function_call", code="invalid_value")
-
-
-def check_tool_calls(calls, where):
-    """Check an assistant message's ``tool_calls`` (sent back unchanged, reference)."""
-    if not isinstance(calls, list):
-        raise InvalidRequest(f"Invalid '{where}': expected an array.", param=where,
-                             code="invalid_type")
-    for i, call in enumerate(calls):
-        if not isinstance(call, dict) or not isinstance(call.get("id"), str):
-            raise InvalidRequest(f"Invalid '{where}[{i}]': expected a tool call with an 'id'.",
-                                 param=f"{where}[{i}]", code="invalid_type")
-        check_function_call(call.get("function"), f"{where}[{i}].function")
-
-
-def check_function_call(function, where):
-    """Check a function call: ``{"name": str, "arguments": str}``."""
-    if not (isinstance(function, dict) and isinstance(function.get("name"), str)
-            and isinstance(function.get("arguments", ""), str)):
-        raise InvalidRequest(f"Invalid '{where}': expected an object with a 'name' and string "
-                             f"'arguments'.", param=where, code="invalid_type")
-
-
-def check_tool_choice(choice, entry):
-    if choice is None or choice in ("auto", "none"):
-        return
-    forced = choice == "required" or (
-        isinstance(choice, dict) and choice.get("type") == "function"
-        and isinstance(choice.get("function"), dict)
-        and isinstance(choice["function"].get("name"), str))
-    if not forced:
-        raise InvalidRequest("Invalid 'tool_choice': expected 'auto', 'none', 'required' or "
-                             "a named function.", param="tool_choice", code="invalid_value")
-    if not entry.forced_tool_choice:
-        # The reference documents a silent 500 / empty arguments here; refuse clearly instead.
-        raise UnsupportedParameter(f"Forced tool choice is not supported on model "
-                                   f"'{entry.id}': send tool_choice \"auto\".",
-                                   param="tool_choice")
-
-
-def _parallel_tool_calls(body, entry, params):
-    """Return whether Kiln keeps only the first tool call itself (the model ignores the flag)."""
-    value = body.get("parallel_tool_calls")
-    if value is None:
-        return False
-    if not isinstance(value, bool):
-        raise InvalidRequest("Invalid 'parallel_tool_calls': expected a boolean.",
-                             param="parallel_tool_calls", code="invalid_type")
-    if entry.parallel_tool_calls:
-        params["parallel_tool_calls"] = value
-        return False
-    return value is False
 
 
 # -- stream and length ------------------------------------------------------------------------

@@ -94,20 +94,18 @@ def _peer_closed(sock):
 class UpstreamCall:
     """One request to a backend, sent from its own greenlet and abortable from any other.
 
-    :param payload: the JSON body (bytes), built by :func:`gateway.parameters.upstream_body`.
-    :param timeouts: :class:`Timeouts` of the model.
+    :param open_response: ``() -> response``: sends the request (retrying on other backends,
+        :meth:`gateway.fleet.Route.open`) and returns the 2xx response once its status is in.
     """
 
-    def __init__(self, session, backend, payload, timeouts):
-        self.backend = backend
+    def __init__(self, open_response):
         self.response = None
         self.sent_at = time.monotonic()
         self._aborted = False
-        self._greenlet = gevent.spawn(self._send, session, payload, timeouts)
+        self._greenlet = gevent.spawn(self._send, open_response)
 
-    def _send(self, session, payload, timeouts):
-        resp = upstream.open_chat(session, self.backend, payload,
-                                  (timeouts.connect_s, timeouts.first_byte_s))
+    def _send(self, open_response):
+        resp = open_response()
         self.response = resp
         if self._aborted:
             upstream.shutdown(resp)  # the abort came while the status line was on its way

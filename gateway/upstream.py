@@ -12,7 +12,9 @@ from requests.adapters import HTTPAdapter
 from .errors import ServiceUnavailable, UpstreamError, UpstreamRejected, UpstreamTimeout
 
 CHAT_PATH = "/chat/completions"
-DOWN_COOLDOWN_S = 5.0  # a backend that refused a connection sits out this long (503 meanwhile)
+# The usage event's error_code for each way of not getting an answer (docs/ROUTING.md).
+UNREACHABLE, CONNECT_TIMEOUT = "upstream_unreachable", "upstream_connect_timeout"
+FIRST_BYTE_TIMEOUT, IDLE_TIMEOUT = "upstream_first_byte_timeout", "upstream_idle_timeout"
 
 
 def create_session(pool_size):
@@ -63,19 +65,26 @@ def open_chat(session, backend, payload, timeouts_s):
 
     :param payload: the JSON body (bytes) built for this backend (:func:`encode_body`).
     :param timeouts_s: ``(connect, read)`` seconds; read applies to every wait for bytes.
-    :raises UpstreamError: unreachable, timed out, or 5xx (502, plain text).
+    :raises UpstreamError: unreachable (code :data:`UNREACHABLE`), timed out (connecting or
+        waiting for the status line: :data:`CONNECT_TIMEOUT`, :data:`FIRST_BYTE_TIMEOUT`), or
+        5xx (502, plain text).
     :raises UpstreamRejected: the backend refused the request (4xx, passed on as 400).
     :raises ServiceUnavailable: the backend is overloaded (429) (503).
     """
     try:
         resp = post(session, backend.url.rstrip("/") + CHAT_PATH, payload, timeouts_s)
+    except requests.ConnectTimeout as err:
+        raise UpstreamTimeout(f"The model backend did not accept the connection within "
+                              f"{timeouts_s[0]:g} s (connect timeout).",
+                              code=CONNECT_TIMEOUT) from err
+    except requests.Timeout as err:
+        raise UpstreamTimeout(f"The model backend sent no answer within {timeouts_s[1]:g} s "
+                              f"(first byte timeout).", code=FIRST_BYTE_TIMEOUT) from err
     except requests.RequestException as err:
         if _unreachable(err):
-            backend.health.mark_down(DOWN_COOLDOWN_S)
-        if isinstance(err, requests.Timeout):
-            raise UpstreamTimeout("The model backend did not answer in time.") from err
-        raise UpstreamError("The model backend is unreachable.") from err
-    backend.health.mark_up()
+            raise UpstreamError("The model backend is unreachable.", code=UNREACHABLE) from err
+        raise UpstreamError("The model backend closed the connection before answering.") \
+            from err
     if resp.status_code >= 400:
         try:
             raise error_for(resp.status_code, _read_small(resp))
@@ -91,6 +100,15 @@ def _unreachable(err):
     return isinstance(reason, urllib3.exceptions.ConnectTimeoutError)
 
 
+def set_read_timeout(resp, timeout_s):
+    """Wait up to ``timeout_s`` for each read of ``resp``'s body from now on (a stream's idle
+    gap, which may differ from the time allowed for its first byte)."""
+    try:
+        resp.raw.connection.sock.settimeout(timeout_s)
+    except AttributeError:
+        pass  # no socket left: the next read fails and says so
+
+
 def read_whole(resp, max_bytes):
     """Read a whole reply body, decoded (gzip, deflate), of at most ``max_bytes``.
 
@@ -101,8 +119,8 @@ def read_whole(resp, max_bytes):
     try:
         data = resp.raw.read(max_bytes + 1, decode_content=True)
     except (urllib3.exceptions.ReadTimeoutError, TimeoutError) as err:
-        raise UpstreamTimeout("The model backend stopped sending its reply (read "
-                              "timeout).") from err
+        raise UpstreamTimeout("The model backend stopped sending its reply (idle "
+                              "timeout).", code=IDLE_TIMEOUT) from err
     except (urllib3.exceptions.HTTPError, OSError) as err:
         raise UpstreamError("The model backend failed while sending its reply.") from err
     if len(data) > max_bytes:
@@ -226,8 +244,10 @@ def shutdown(resp):
     and stops generating."""
     try:
         resp.raw.shutdown()
-    except (AttributeError, OSError, RuntimeError):
-        pass  # already closed, or already released to the pool: nothing left to abort
+    except (AttributeError, OSError, RuntimeError, ValueError):
+        # Already closed or released to the pool; urllib3 raises ValueError when the
+        # response holds no socket to shut down. Closing it below still drops the connection.
+        pass
     resp.close()
 
 

@@ -12,7 +12,7 @@ import json
 import math
 from dataclasses import dataclass, field
 
-from . import images, parameters
+from . import images, parameters, tools
 from .errors import InvalidRequest, ModelNotFound, PayloadTooLarge, UnsupportedParameter
 from .metering import prompt_bound
 
@@ -254,9 +254,9 @@ def _part(part, where, role, entry):
 def _assistant(message, where, entry):
     tool_calls = message.get("tool_calls")
     if tool_calls is not None:
-        parameters.check_tool_calls(tool_calls, f"{where}.tool_calls")
+        tools.check_tool_calls(tool_calls, f"{where}.tool_calls")
     if message.get("function_call") is not None:
-        parameters.check_function_call(message["function_call"], f"{where}.function_call")
+        tools.check_function_call(message["function_call"], f"{where}.function_call")
     _optional_string(message, "refusal", where)
     audio = message.get("audio")
     if audio is not None and not (isinstance(audio, dict) and isinstance(audio.get("id"), str)):

@@ -1,9 +1,9 @@
 """Invariants of a chaos run, as plain functions over what the run observed.
 
 Each check takes rows read from the documented tables (README "Administration";
-gateway/models.py) or the clients' observations, and records every breach in
-:class:`Violations` with its evidence. Nothing here talks to a server, so tests can feed each
-check a breach and see it counted (tests/test_chaos.py).
+gateway/models.py) or the clients' observations, and records every breach in :class:`Violations`
+with its evidence. Nothing here talks to a server, so tests can feed each check a breach and see
+it counted (tests/test_chaos.py).
 """
 from collections import Counter, defaultdict
 from decimal import Decimal

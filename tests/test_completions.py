@@ -5,8 +5,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from gateway import completions
-from gateway.completions import Head, _life
+from gateway import answers
+from gateway.answers import Head
+from gateway.completions import _life
 from gateway.errors import UpstreamError, UpstreamRejected
 from gateway.outcomes import Status
 from gateway.relay import ClientGone, StreamFailed
@@ -36,7 +37,7 @@ class StubGeneration:
 def life_of(monkeypatch, body):
     """Run ``_life`` with ``body(gen)`` as the stream path."""
     gen = StubGeneration()
-    monkeypatch.setattr(completions, "_stream", body)
+    monkeypatch.setattr(answers, "stream", body)
     return gen, _life(gen)
 
 
@@ -113,7 +114,7 @@ def test_a_kiln_bug_mid_stream_is_an_error_event_and_settles_as_error(monkeypatc
 
 def test_a_failing_close_still_settles(monkeypatch):
     gen = StubGeneration(close_fails=True)
-    monkeypatch.setattr(completions, "_stream", head_then(fail=UpstreamError("gone")))
+    monkeypatch.setattr(answers, "stream", head_then(fail=UpstreamError("gone")))
     life = _life(gen)
     next(life)
     with pytest.raises(OSError):

@@ -567,7 +567,7 @@ def test_no_byte_for_the_read_timeout_is_an_error_event(start_gw, fake, org, eng
     gw = start_gw(upstream_read_timeout_s=1)
     fake.enqueue(one_token_then(Hang()))
     raw = RawStream(gw.base_url, org.key, stream_body()).read_all()
-    assert_one_error_event(raw, "upstream_timeout", "idle timeout")
+    assert_one_error_event(raw, "upstream_idle_timeout", "idle timeout")
     event = settled(engine, raw.gid)
     assert event["status"] == "timeout" and event["completion_tokens"] == 1
     assert "idle timeout" in event["error"]

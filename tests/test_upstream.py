@@ -115,3 +115,22 @@ def test_other_backend_statuses_map_by_the_table(client, fake, org, engine, scri
         assert resp.headers["retry-after"] == "1"
         assert err.value.body["type"] == "service_unavailable"
     assert balance_nanos(engine, org.id) == (10 * 10**9, 0, 0)
+
+
+def test_shutdown_of_a_reply_holding_no_socket_still_closes_it():
+    # urllib3 raises ValueError from shutdown() when the reply has no socket to shut down
+    # (seen when a client leaves while its backend call is being set up).
+    import io
+
+    import requests
+    import urllib3
+
+    from gateway import upstream
+
+    raw = urllib3.HTTPResponse(body=io.BytesIO(b"data: {}\n\n"), preload_content=False)
+    with pytest.raises(ValueError):
+        raw.shutdown()
+    resp = requests.Response()
+    resp.raw = raw
+    upstream.shutdown(resp)
+    assert raw.closed

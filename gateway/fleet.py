@@ -1,0 +1,187 @@
+"""The backends one generation goes to: the first chosen by the model's routing policy, and
+retries before the first byte on another live backend. docs/ROUTING.md.
+
+A try that fails before the backend answered (no connection, a connect or first-byte timeout,
+a 5xx or 429 status) is retried: at most ``KILN_UPSTREAM_RETRIES`` more tries, none begun past
+``KILN_UPSTREAM_RETRY_DEADLINE_S`` from the first, a jittered exponential wait between them
+("full jitter", AWS Architecture Blog, "Exponential Backoff And Jitter", 2015). Nothing was
+relayed by then, so nothing is billed twice: the usage event names every backend tried
+(``attempts``) and the one that answered (``backend``). A 4xx is the request's fault and goes
+to the client as it is.
+"""
+import random
+import time
+
+import gevent
+
+from .capacity import HostLoad, Slots, slot_dir
+from .errors import ServiceUnavailable, UpstreamError, UpstreamRejected
+from .health import BreakerPolicy
+from .routing import PREFIX_AFFINITY, prefix_key, rank
+from .upstream import CONNECT_TIMEOUT, UNREACHABLE
+
+SLOT_POLL_S = 0.05  # how often a request waiting for a capped backend looks again
+RETRY_AFTER_S = "1"
+
+
+class Route:
+    """Where one generation is sent: the backend it holds a slot on, and every one it tried."""
+
+    def __init__(self, services, entry, messages):
+        self.services, self.entry = services, entry
+        self.config = services.config
+        self.key = prefix_key(messages) if entry.routing == PREFIX_AFFINITY else None
+        self.policy = BreakerPolicy.from_config(self.config)
+        self.tried = []        # backend URLs in order: the usage event's attempts
+        self.backend = None    # the backend whose slot is held (the last tried)
+        self._slot = None
+
+    # -- choosing ----------------------------------------------------------------------------
+
+    def take(self, wait_s):
+        """Take a slot on the best live backend not tried yet, waiting up to ``wait_s`` while
+        every one is at its ``max_in_flight``.
+
+        :raises ServiceUnavailable: none is live (``no_backend_available``), or none had a free
+            slot in time (``backends_at_capacity``, with Retry-After).
+        """
+        deadline = time.monotonic() + wait_s
+        while True:
+            live = self._live()
+            for backend in rank(self.entry.routing, live, self.key,
+                                load_bound=self.entry.load_bound):
+                slot = self._slots(backend).try_take()
+                if slot is not None:
+                    return self._hold(backend, slot)
+            if time.monotonic() >= deadline:
+                raise ServiceUnavailable(
+                    f"Every backend of model '{self.entry.id}' is at capacity. Retry with "
+                    f"backoff.", code="backends_at_capacity",
+                    headers={"Retry-After": RETRY_AFTER_S})
+            gevent.sleep(SLOT_POLL_S)
+
+    def _live(self):
+        """The backends in rotation (weight above 0, breaker not open) not tried yet."""
+        now = time.monotonic()
+        live = [b for b in self.entry.backends if b.weight > 0 and b.url not in self.tried
+                and b.state.breaker.is_up(now)]
+        if not live:
+            raise ServiceUnavailable(f"No backend is available for model '{self.entry.id}'. "
+                                     f"Retry with exponential backoff.",
+                                     code="no_backend_available")
+        return live
+
+    def _slots(self, backend):
+        if backend.state.slots is None:  # not prepared (used without an app)
+            backend.state.slots = Slots(slot_dir(self.config.slot_dir), backend.url,
+                                        backend.max_in_flight)
+        return backend.state.slots
+
+    def _hold(self, backend, slot):
+        self.backend, self._slot = backend, slot
+        self.tried.append(backend.url)
+        backend.state.begin()
+        m = self.services.metrics
+        m.child(m.backend_in_flight, self.entry.id, backend.url).inc()
+        m.child(m.backend_requests, self.entry.id, backend.url).inc()
+        return backend
+
+    def release(self):
+        """Give back the slot held (safe to call twice)."""
+        backend = self.backend
+        if self._slot is None or backend is None:
+            return
+        self._slots(backend).release(self._slot)
+        self._slot = None
+        backend.state.end()
+        m = self.services.metrics
+        m.child(m.backend_in_flight, self.entry.id, backend.url).dec()
+
+    # -- trying ------------------------------------------------------------------------------
+
+    def open(self, send):
+        """Return ``send(backend)`` (a 2xx response) from the first backend that answers,
+        retrying on another before the first byte.
+
+        :param send: ``backend -> response``; raises the gateway error of a failed try.
+        :raises GatewayError: the last try's error once retries or the deadline run out.
+        """
+        started, last = time.monotonic(), None
+        for retry in range(self.config.upstream_retries + 1):
+            if last is not None:
+                self._next(retry, started, last)
+            try:
+                resp = send(self.backend)
+            except UpstreamRejected:
+                self.backend.state.breaker.success()  # it answered: it is there
+                raise
+            except (UpstreamError, ServiceUnavailable) as err:
+                self._failed(err)
+                if not self._may_retry(retry, started):
+                    raise
+                last = err
+                continue
+            self.backend.state.breaker.success()
+            return resp
+        raise AssertionError("unreachable")  # the last try returns or raises
+
+    def _may_retry(self, retry, started):
+        return (retry < self.config.upstream_retries and
+                time.monotonic() - started < self.config.upstream_retry_deadline_s)
+
+    def _next(self, retry, started, last):
+        """Wait a jittered backoff (within the deadline), then take another backend; raise
+        ``last`` (the client learns what the backends did) when none is left."""
+        left = self.config.upstream_retry_deadline_s - (time.monotonic() - started)
+        gevent.sleep(max(0.0, min(left, random.uniform(
+            0, self.config.upstream_retry_backoff_s * 2 ** (retry - 1)))))
+        self.release()
+        try:
+            self.take(max(0.0, min(left, self.config.backend_wait_s)))
+        except ServiceUnavailable:
+            raise last from None
+
+    def _failed(self, err):
+        """Feed the breaker and the error counter (a 429 is a full backend, not a sick one)."""
+        backend, m = self.backend, self.services.metrics
+        kind = err.code if isinstance(err, UpstreamError) else "at_capacity"
+        m.child(m.backend_errors, self.entry.id, backend.url, kind).inc()
+        if not isinstance(err, UpstreamError):
+            return
+        if err.code in (UNREACHABLE, CONNECT_TIMEOUT):
+            backend.state.breaker.failure(self.policy, at_once=True)
+        elif self._others_up(backend):
+            # A 5xx or a timeout never takes out a model's last backend in rotation: its
+            # clients are better served by that backend's own errors than by 503s.
+            backend.state.breaker.failure(self.policy)
+
+    def _others_up(self, backend):
+        now = time.monotonic()
+        return any(b is not backend and b.weight > 0 and b.state.breaker.is_up(now)
+                   for b in self.entry.backends)
+
+
+def prepare(catalog, config):
+    """Give every backend of ``catalog`` its slots and the host's load counters (one cell of
+    this worker's)."""
+    directory = slot_dir(config.slot_dir)
+    host_load, slots = HostLoad(directory), {}
+    backends = [b for entry in catalog.values() for b in entry.backends]
+    for backend in backends:  # one server named by several models: one cap, the smallest
+        caps = [b.max_in_flight for b in backends if b.url == backend.url and b.max_in_flight]
+        if backend.url not in slots:
+            slots[backend.url] = Slots(directory, backend.url, min(caps, default=0))
+        backend.state.attach(slots[backend.url], host_load, backend.url)
+
+
+def observe(metrics, route, first_token_s, completion_tokens, stream_s):
+    """Count a settled generation's time to first token on its backend, and its tokens/s
+    after the first (``stream_s`` 0: not a stream, no rate)."""
+    backend = route.backend
+    if backend is None or first_token_s is None:
+        return
+    model = route.entry.id
+    metrics.child(metrics.backend_ttft, model, backend.url).observe(first_token_s)
+    if stream_s > 0 and completion_tokens:
+        metrics.child(metrics.backend_tokens_per_s, model, backend.url).observe(
+            completion_tokens / stream_s)

@@ -1,0 +1,155 @@
+"""Backend health as one worker sees it: a circuit breaker fed by the requests it sends
+(passive) and by a probe of every backend every few seconds (active). docs/ROUTING.md.
+
+Passive: consecutive failures open the breaker for a cool-down that doubles with every
+opening in a row (up to a ceiling); after the cool-down requests may try the backend again
+(half-open), and the first failure reopens it at once. One success closes it. A refused
+connection is proof enough: it opens the breaker at once. The requests' side
+(:meth:`gateway.fleet.Route.open`) never opens the breaker of a model's last backend in
+rotation on a 5xx or a timeout.
+
+Active: ``GET {url}{probe_path}``. An answer below 500 closes the breaker (the backend came
+back before a client paid for finding out); a refused connection or a 5xx counts as a failure;
+a probe that connected but got no answer in time says nothing (a single-slot llama.cpp server
+busy with a long generation answers its queue in order).
+"""
+import logging
+import time
+from dataclasses import dataclass
+
+import gevent
+import requests
+
+log = logging.getLogger(__name__)
+
+CLOSED, OPEN, HALF_OPEN = "closed", "open", "half_open"
+STATE_VALUES = {CLOSED: 0, HALF_OPEN: 1, OPEN: 2}  # the ``kiln_backend_state`` gauge
+
+
+@dataclass(frozen=True)
+class BreakerPolicy:
+    """When a breaker opens and for how long (seconds)."""
+
+    failures: int = 3
+    cooldown_s: float = 5.0
+    max_cooldown_s: float = 60.0
+
+    @classmethod
+    def from_config(cls, config):
+        return cls(config.breaker_failures, config.breaker_cooldown_s,
+                   config.breaker_max_cooldown_s)
+
+
+class Breaker:
+    """One backend's circuit breaker (per worker process)."""
+
+    def __init__(self):
+        self.failures = 0       # consecutive failures since the last success or opening
+        self.openings = 0       # openings since the last success: the cool-down grows with it
+        self.open_until = 0.0   # time.monotonic() seconds
+
+    def is_up(self, now):
+        """Whether requests may go to the backend (closed, or open past its cool-down)."""
+        return now >= self.open_until
+
+    def state(self, now):
+        if now < self.open_until:
+            return OPEN
+        return HALF_OPEN if self.openings else CLOSED
+
+    def success(self):
+        """Close the breaker: any answer from the backend proves it is there."""
+        self.failures = self.openings = 0
+        self.open_until = 0.0
+
+    def failure(self, policy, at_once=False):
+        """Count a failure; open the breaker past the threshold, at once when ``at_once``
+        (a refused connection) or when it was half-open. Return whether it opened."""
+        self.failures += 1
+        if not (at_once or self.openings or self.failures >= policy.failures):
+            return False
+        cooldown = min(policy.cooldown_s * 2 ** self.openings, policy.max_cooldown_s)
+        self.openings += 1
+        self.failures = 0
+        self.open_until = time.monotonic() + cooldown
+        return True
+
+
+class BackendState:
+    """What one worker knows of a backend: its breaker, its requests in flight (this worker's,
+    and the host's once :meth:`attach`-ed), and its slots (``max_in_flight``)."""
+
+    def __init__(self):
+        self.breaker = Breaker()
+        self.in_flight = 0     # this worker's
+        self.slots = None      # gateway.capacity.Slots
+        self._host = None      # (gateway.capacity.HostLoad, url)
+
+    def attach(self, slots, host_load, url):
+        self.slots, self._host = slots, (host_load, url)
+
+    def begin(self):
+        self.in_flight += 1
+        if self._host is not None:
+            self._host[0].add(self._host[1], 1)
+
+    def end(self):
+        self.in_flight -= 1
+        if self._host is not None:
+            self._host[0].add(self._host[1], -1)
+
+    def load(self):
+        """Requests in flight: every worker's of this host when known, else this worker's."""
+        total = self._host[0].total(self._host[1]) if self._host is not None else None
+        return self.in_flight if total is None else total
+
+
+# -- active probe ------------------------------------------------------------------------------
+
+def probe(session, backend, path, timeout_s, policy):
+    """Probe ``backend`` once and feed its breaker; return ``"up"``, ``"down"`` or
+    ``"unknown"`` (connected, no answer in time)."""
+    url = backend.url.rstrip("/") + path
+    try:
+        resp = session.get(url, timeout=(timeout_s, timeout_s))
+        resp.close()
+    except requests.ConnectionError:
+        backend.state.breaker.failure(policy, at_once=True)
+        return "down"
+    except requests.Timeout:
+        return "unknown"
+    if resp.status_code >= 500:
+        backend.state.breaker.failure(policy)
+        return "down"
+    backend.state.breaker.success()
+    return "up"
+
+
+def start_prober(app):
+    """Start this worker's probe greenlet (once); ``KILN_PROBE_INTERVAL_S`` 0 turns it off."""
+    state = app.extensions["kiln.maintenance"]
+    services = app.extensions["kiln"]
+    if state.get("prober") is not None or services.config.probe_interval_s <= 0:
+        return
+    state["prober"] = gevent.spawn(_probe_forever, services)
+
+
+def _probe_forever(services):
+    config = services.config
+    policy = BreakerPolicy.from_config(config)
+    backends = [(entry.id, b) for entry in services.catalog.values() for b in entry.backends]
+    while True:
+        probes = [gevent.spawn(probe, services.session, b, config.probe_path,
+                               config.probe_timeout_s, policy) for _, b in backends]
+        gevent.joinall(probes, timeout=config.probe_timeout_s * 2 + 1)
+        gevent.killall([p for p in probes if not p.ready()], block=False)
+        publish_states(services.metrics, backends)
+        gevent.sleep(config.probe_interval_s)
+
+
+def publish_states(metrics, backends):
+    """Set the ``kiln_backend_state`` gauge of every ``(model id, backend)``."""
+    now = time.monotonic()
+    for model, backend in backends:
+        state = backend.state.breaker.state(now)
+        metrics.child(metrics.backend_state, model, backend.url).set(STATE_VALUES[state])

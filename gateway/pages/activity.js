@@ -1,0 +1,179 @@
+// The activity page: credits, daily spend stacked by model, and the org's keys.
+// Amounts arrive as exact decimal strings of USD; sums are done in integer nano-dollars
+// (BigInt), and only the bar heights use floating point.
+"use strict";
+
+const STORAGE_KEY = "kiln.key";
+const COLORS = ["#3b6fb6", "#e07b39", "#4a9d5b", "#b94a6a", "#7b5fb0", "#c9a227", "#3aa6a0",
+                "#8c6d46"];
+const SVG_NS = "http://www.w3.org/2000/svg";
+const CHART = {width: 720, height: 260, left: 70, right: 10, top: 10, bottom: 30};
+
+function nanos(usd) {
+  const negative = usd.startsWith("-");
+  const [whole, fraction = ""] = usd.replace("-", "").split(".");
+  const value = BigInt(whole) * 1000000000n + BigInt((fraction + "000000000").slice(0, 9));
+  return negative ? -value : value;
+}
+
+function usd(value) {
+  const negative = value < 0n;
+  const abs = negative ? -value : value;
+  let fraction = (abs % 1000000000n).toString().padStart(9, "0").replace(/0+$/, "");
+  fraction = fraction.padEnd(2, "0");
+  return (negative ? "-" : "") + (abs / 1000000000n).toString() + "." + fraction;
+}
+
+async function api(path, key) {
+  const response = await fetch(path, {headers: {Authorization: "Bearer " + key}});
+  const body = await response.json();
+  if (!response.ok) {
+    throw new Error(body.error ? body.error.message : "HTTP " + response.status);
+  }
+  return body;
+}
+
+function days(start, end) {
+  const out = [];
+  for (let d = new Date(start + "T00:00:00Z"); d <= new Date(end + "T00:00:00Z");
+       d.setUTCDate(d.getUTCDate() + 1)) {
+    out.push(d.toISOString().slice(0, 10));
+  }
+  return out;
+}
+
+function svg(name, attributes, text) {
+  const node = document.createElementNS(SVG_NS, name);
+  for (const [k, v] of Object.entries(attributes)) node.setAttribute(k, v);
+  if (text !== undefined) node.textContent = text;
+  return node;
+}
+
+function spendByDay(activity) {
+  const byDay = new Map(days(activity.start_date, activity.end_date).map(d => [d, new Map()]));
+  const models = [];
+  for (const row of activity.data) {
+    if (!models.includes(row.model)) models.push(row.model);
+    const day = byDay.get(row.date);
+    day.set(row.model, (day.get(row.model) || 0n) + nanos(row.cost_usd));
+  }
+  return {byDay, models};
+}
+
+function drawChart(activity) {
+  const chart = document.getElementById("chart");
+  chart.replaceChildren();
+  const {byDay, models} = spendByDay(activity);
+  const totals = [...byDay.values()].map(m => [...m.values()].reduce((a, b) => a + b, 0n));
+  const top = totals.reduce((a, b) => (b > a ? b : a), 0n);
+  const plotW = CHART.width - CHART.left - CHART.right;
+  const plotH = CHART.height - CHART.top - CHART.bottom;
+  const slot = plotW / byDay.size;
+  const base = CHART.top + plotH;
+  chart.append(svg("line", {class: "axis", x1: CHART.left, y1: base, x2: CHART.width, y2: base}),
+               svg("text", {x: CHART.left - 4, y: CHART.top + 8, "text-anchor": "end"},
+                   top > 0n ? usd(top) : "0"),
+               svg("text", {x: CHART.left - 4, y: base, "text-anchor": "end"}, "0"));
+  [...byDay.entries()].forEach(([day, costs], i) => {
+    let y = base;
+    const x = CHART.left + i * slot;
+    for (const model of models) {
+      const cost = costs.get(model) || 0n;
+      if (cost <= 0n) continue;
+      const h = Number(cost) / Number(top) * plotH;
+      y -= h;
+      chart.append(svg("rect", {class: "bar", x: x + 1, y, width: Math.max(slot - 2, 1),
+                                height: h, fill: COLORS[models.indexOf(model) % COLORS.length],
+                                "data-day": day, "data-model": model, "data-cost-usd": usd(cost)},
+                       undefined));
+    }
+    if (i % 5 === 0) {
+      chart.append(svg("text", {x, y: CHART.height - 10}, day.slice(5)));
+    }
+  });
+  drawLegend(models);
+}
+
+function drawLegend(models) {
+  const legend = document.getElementById("legend");
+  legend.replaceChildren(...models.map((model, i) => {
+    const item = document.createElement("li");
+    const swatch = document.createElement("span");
+    swatch.style.background = COLORS[i % COLORS.length];
+    item.append(swatch, model);
+    return item;
+  }));
+}
+
+function showTotals(activity) {
+  const total = activity.data.reduce((sum, row) => sum + nanos(row.cost_usd), 0n);
+  const requests = activity.data.reduce((sum, row) => sum + row.requests, 0);
+  document.getElementById("total").textContent = usd(total);
+  document.getElementById("requests").textContent = String(requests);
+}
+
+function showCredits(credits) {
+  for (const name of ["balance", "held", "available"]) {
+    document.getElementById(name).textContent = usd(nanos(credits[name + "_usd"]));
+  }
+}
+
+function showKeys(keys, activity) {
+  const spent = new Map();
+  for (const row of activity.data) {
+    spent.set(row.key_prefix, (spent.get(row.key_prefix) || 0n) + nanos(row.cost_usd));
+  }
+  const money = value => (value === null ? "none" : usd(nanos(value)));
+  const rows = keys.data.filter(k => !k.revoked).map(k => {
+    const tr = document.createElement("tr");
+    tr.dataset.prefix = k.prefix;
+    const cells = [k.label || "", k.prefix, money(k.limit_usd), k.limit_reset || "never",
+                   usd(nanos(k.usage_usd)), money(k.remaining_usd),
+                   k.rate_limit ? String(k.rate_limit.requests_per_minute) : "none",
+                   usd(spent.get(k.prefix) || 0n), k.last_used_at || "never"];
+    for (const text of cells) {
+      const td = document.createElement("td");
+      td.textContent = text;
+      tr.append(td);
+    }
+    return tr;
+  });
+  document.getElementById("key-rows").replaceChildren(...rows);
+}
+
+async function show(key) {
+  const error = document.getElementById("error");
+  error.hidden = true;
+  try {
+    const [credits, keys, activity] = await Promise.all(
+      [api("/v1/credits", key), api("/v1/keys", key), api("/v1/activity", key)]);
+    showCredits(credits);
+    showTotals(activity);
+    drawChart(activity);
+    showKeys(keys, activity);
+    for (const id of ["credits", "spend", "keys"]) document.getElementById(id).hidden = false;
+    document.body.dataset.state = "loaded";
+  } catch (err) {
+    error.textContent = err.message;
+    error.hidden = false;
+    document.body.dataset.state = "error";
+  }
+}
+
+document.addEventListener("DOMContentLoaded", () => {
+  const input = document.getElementById("key");
+  document.getElementById("key-form").addEventListener("submit", event => {
+    event.preventDefault();
+    const key = input.value.trim();
+    if (!key) return;
+    sessionStorage.setItem(STORAGE_KEY, key);
+    input.value = "";
+    show(key);
+  });
+  document.getElementById("forget").addEventListener("click", () => {
+    sessionStorage.removeItem(STORAGE_KEY);
+    location.reload();
+  });
+  const saved = sessionStorage.getItem(STORAGE_KEY);
+  if (saved) show(saved);
+});
