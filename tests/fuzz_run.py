@@ -41,9 +41,11 @@ SCHEMA_CHECKS = ("not_a_server_error", "status_code_conformance", "content_type_
 CHAT = "POST /v1/chat/completions"
 GENERATION = "GET /v1/generation"
 AIMED_SHARE = 0.9
-# Share of the cases for each operation; chat completions take what the others leave.
-SHARES = {"GET /v1/models": 0.02, "GET /v1/credits": 0.02, "GET /v1/generation": 0.08,
-          "GET /healthz": 0.01, "GET /readyz": 0.01, "GET /openapi.json": 0.01}
+# Share of the cases for an operation (OTHER_SHARE if not named); chat completions take what
+# the others leave.
+SHARES = {"GET /v1/generation": 0.08, "GET /healthz": 0.01, "GET /readyz": 0.01,
+          "GET /openapi.json": 0.01}
+OTHER_SHARE = 0.02
 STATE_SQL = sa.text(
     "SELECT b.balance_nanos, b.held_nanos, b.in_flight, "
     "(SELECT count(*) FROM usage_events u WHERE u.org_id = b.org_id), "
@@ -123,8 +125,12 @@ class Fuzzer:
         return self.figures
 
     def _budgets(self, cases):
-        """Chat completions first: later ``GET /v1/generation`` cases ask for their ids."""
-        others = {label: max(2, int(cases * share)) for label, share in SHARES.items()}
+        """Every operation of the document; chat completions first (later
+        ``GET /v1/generation`` cases ask for their ids)."""
+        labels = [f"{method.upper()} {path}" for path, item in self.document["paths"].items()
+                  for method in item]
+        others = {label: max(2, int(cases * SHARES.get(label, OTHER_SHARE)))
+                  for label in labels if label != CHAT}
         return {CHAT: max(2, cases - sum(others.values())), **others}
 
     def _run_operation(self, label, operation, mode, examples):
