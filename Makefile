@@ -5,9 +5,10 @@ PIP     := $(PY) -m pip
 PYTHON3 ?= python3
 SEED    ?= 1
 DURATION ?= 120
+CASES   ?= 1000
 
 .DEFAULT_GOAL := help
-.PHONY: help install install-model run test lint bench chaos clean
+.PHONY: help install install-model run test check lint bench chaos fuzz clean
 
 help:  ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -28,6 +29,10 @@ run: install-model  ## Start a model server, the gateway and a demo key; print a
 test: install-model  ## Run the whole test suite (Postgres on 127.0.0.1:5432, nginx, llama.cpp)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
+check: install  ## Lint and the fast in-process tests (no gunicorn, no model server, no Postgres)
+	$(VENV)/bin/ruff check gateway tests bench
+	$(PY) -m pytest -q -m unit
+
 lint:  ## Static checks
 	$(VENV)/bin/ruff check gateway tests bench
 	KILN_DATABASE_URL=sqlite:///$$(mktemp -d)/check.db sh -c '$(VENV)/bin/kiln db upgrade && $(VENV)/bin/kiln db check'
@@ -38,6 +43,9 @@ bench: install  ## Benchmarks: Kiln against direct, the stack's floor and LiteLL
 
 chaos: install  ## Seeded chaos run against two gateway hosts (SEED=1 DURATION=120 seconds)
 	$(PY) tests/chaos.py --seed $(SEED) --duration $(DURATION)
+
+fuzz: install  ## Schema fuzzing of /openapi.json through a real gateway (CASES=1000 SEED=1)
+	$(PY) tests/fuzz.py --cases $(CASES) --seed $(SEED)
 
 clean:  ## Remove the virtualenv and local state
 	rm -rf $(VENV) .run *.egg-info

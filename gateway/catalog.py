@@ -161,6 +161,9 @@ def _entry(raw):
     prices = (pricing.input, pricing.cached_input, pricing.output)
     if min(prices) < 0:
         raise CatalogError(f"catalog entry {entry.id!r}: negative price")
+    if pricing.cached_input > pricing.input:  # a hold is priced with no cached tokens
+        raise CatalogError(f"catalog entry {entry.id!r}: cached_input above input; a hold "
+                           f"would not cover a cached prompt")
     if any((p * NANOS_PER_USD) % 1 for p in prices):
         raise CatalogError(f"catalog entry {entry.id!r}: a price has more than 9 decimal places "
                            f"(nano-dollars per million tokens)")

@@ -10,7 +10,8 @@ Rules that depend on the model (``max_tokens`` at most its max output, image par
 from flask import Blueprint, current_app, jsonify
 
 from .outcomes import Status
-from .parameters import MAX_STOP_STRINGS, RANGES, REASONING_EFFORTS
+from .parameters import INT64, MAX_N, MAX_STOP_STRINGS, PARAMETERS, RANGES, REASONING_EFFORTS, \
+    REFUSE
 
 bp = Blueprint("openapi", __name__)
 
@@ -28,7 +29,8 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
 ERROR_CODES = {
     400: ["invalid_json", "invalid_content_type", "missing_required_parameter", "invalid_type",
           "invalid_value", "empty_array", "unsupported_parameter", "upstream_rejected",
-          "incomplete_body", "context_length_exceeded"],
+          "incomplete_body", "context_length_exceeded", "unknown_parameter",
+          "invalid_image_url"],
     401: ["invalid_api_key"],
     402: ["insufficient_credits", "key_limit_exceeded"],
     403: ["key_revoked", "org_suspended", "model_not_allowed"],
@@ -37,7 +39,7 @@ ERROR_CODES = {
     429: ["rate_limit_exceeded"],
     500: ["internal_error"],
     503: ["maintenance", "no_backend_available", "backends_at_capacity", "service_unavailable",
-          "database_unavailable"],
+          "database_unavailable", "database_busy"],
 }
 ERROR_WHY = {
     400: "Invalid request: malformed JSON, a wrong type or range, an empty `messages` "
@@ -139,9 +141,19 @@ def _chat_ok():
         "headers": {"X-Neocloud-Generation-Id": _generation_header()},
         "content": {
             "application/json": {"schema": _ref("ChatCompletion")},
-            "text/event-stream": {"schema": {"type": "string"}, "x-sse-data": event_data},
+            "text/event-stream": {"schema": _sse_event(), "x-sse-data": event_data},
         },
     }
+
+
+def _sse_event():
+    """One event of the stream (OpenAPI 3.1 reads a ``text/event-stream`` schema per event)."""
+    chunk_or_error = {"oneOf": [_ref("ChatCompletionChunk"), _ref("ErrorResponse")]}
+    data = {"anyOf": [{"const": "[DONE]"}, {
+        "type": "string", "contentMediaType": "application/json",
+        "contentSchema": chunk_or_error}]}
+    return {"type": "object", "required": ["data"], "properties": {
+        "data": data, "event": {"const": "message"}, "id": {"type": "string"}}}
 
 
 def _generation_header():
@@ -234,8 +246,8 @@ def _chat_request():
         "reasoning_effort": _nullable({"enum": list(REASONING_EFFORTS)}),
         **{name: _nullable({"type": "number", "minimum": low, "maximum": high})
            for name, (low, high) in RANGES.items()},
-        "n": _nullable({"type": "integer", "minimum": 1}),
-        "seed": _nullable({"type": "integer"}),
+        "n": _nullable({"type": "integer", "minimum": 1, "maximum": MAX_N}),
+        "seed": _nullable({"type": "integer", "minimum": -INT64, "maximum": INT64 - 1}),
         "stop": _nullable({"oneOf": [
             {"type": "string", "minLength": 1},
             {"type": "array", "maxItems": MAX_STOP_STRINGS,
@@ -246,15 +258,27 @@ def _chat_request():
         "ignore_eos": {"description": "true is rejected (400 `unsupported_parameter`) on "
                                       "gpt-oss models; forwarded elsewhere."},
     }
+    properties.update({name: {"description": _treatment(what)}
+                       for name, what in PARAMETERS.items() if name not in properties})
     return {
         "type": "object", "required": ["model", "messages"], "properties": properties,
-        "description": "Integers are JSON integer literals (`1`, not `1.0`). Parameters not "
-                       "listed are forwarded to the model server unchanged.",
+        "additionalProperties": False,
+        "description": "Integers are JSON integer literals (`1`, not `1.0`). Fields listed "
+                       "without a schema are OpenAI chat parameters Kiln forwards, drops or "
+                       "refuses (docs/PARAMETERS.md); any other field is 400 "
+                       "`unknown_parameter` unless the model's catalog entry allows it by "
+                       "name (`extra_params`).",
         # stream_options needs stream true (endpoint reference).
         "if": {"required": ["stream_options"],
                "properties": {"stream_options": {"type": "object"}}},
         "then": {"required": ["stream"], "properties": {"stream": {"enum": TRUE_STREAM}}},
     }
+
+
+def _treatment(what):
+    if what == REFUSE:
+        return "Refused: 400 `unsupported_parameter` (docs/PARAMETERS.md)."
+    return f"OpenAI chat parameter, {what} by Kiln (docs/PARAMETERS.md)."
 
 
 def _message(role, properties, required):

@@ -66,13 +66,26 @@ def fake_upstream():
 
 @pytest.fixture
 def fake(fake_upstream):
-    """The fake upstream, with no queued scripts, no records and the default responder."""
+    """The fake upstream, with no queued scripts, no records and the default responder.
+
+    A failure inside the fake (a responder that raised) fails the test at teardown: the gateway
+    would have told the client a 502, which a test may well expect.
+    """
     fake_upstream.clear()
     fake_upstream.reset_stats()
     fake_upstream.default = default_script
+    errors_before = len(fake_upstream.errors)
     yield fake_upstream
     fake_upstream.clear()
     fake_upstream.default = default_script
+    fail_on_fake_errors(fake_upstream, errors_before)
+
+
+def fail_on_fake_errors(fake, since=0):
+    """Fail the test if ``fake`` recorded errors past the first ``since``."""
+    if len(fake.errors) > since:
+        pytest.fail("the fake upstream failed:\n" + "\n".join(fake.errors[since:]),
+                    pytrace=False)
 
 
 @pytest.fixture(scope="session")

@@ -10,6 +10,7 @@ the bytes sent and of their timing. Every request runs a *script*: a list of ste
     Close()                         FIN, without the chunked terminator
     Hang()                          send nothing more until the client closes
     Finish()                        end the response normally (implicit at the end)
+    Gate(event)                     send nothing more until the test sets ``event``
 
 A ``Send`` before any ``Status`` writes raw bytes (for malformed status lines).
 Framing picked by ``Status``: ``chunked=True`` adds ``Transfer-Encoding: chunked``;
@@ -96,7 +97,15 @@ class Finish:
     """End the response (chunk terminator if chunked) and keep the connection."""
 
 
-Step = Status | Send | Sleep | Reset | Close | Hang | Finish
+@dataclasses.dataclass(frozen=True)
+class Gate:
+    """Send nothing more until ``opened`` is set (or the client closes): the test paces the
+    response by what it has received, with no clock involved."""
+
+    opened: threading.Event
+
+
+Step = Status | Send | Sleep | Reset | Close | Hang | Finish | Gate
 Script = Sequence[Step]
 
 
@@ -543,6 +552,13 @@ class FakeUpstream:
                 return True
         return False
 
+    def _wait_gate(self, sock: socket.socket, opened: threading.Event) -> bool:
+        """Wait until ``opened`` is set; False if the client went away (or the fake stops)."""
+        while not opened.wait(POLL_S):
+            if self._stopping.is_set() or _peer_gone(sock):
+                return False
+        return True
+
     def _respond(self, sock: socket.socket, record: RequestRecord) -> bool:
         """Run the script for ``record``; True to keep the connection for another request."""
         with self._lock:
@@ -587,6 +603,10 @@ class FakeUpstream:
                     _reset(sock)
                 record.completed = True
                 return False
+            elif isinstance(step, Gate):
+                if not self._wait_gate(sock, step.opened):
+                    self._mark_closed(record)
+                    return False
             elif isinstance(step, Finish):
                 break
             else:

@@ -12,6 +12,7 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
 from decimal import Decimal
 from pathlib import Path
 
@@ -20,15 +21,13 @@ import pytest
 import requests
 import sqlalchemy as sa
 
-from fake_upstream import (Close, Hang, Reset, Send, Sleep, Status, chat_chunk, chat_completion,
-                           default_script, error_reply, json_reply, sse_event)
-from gateway.billing import Usage, cost_usd, from_nanos, hold_nanos, to_nanos
-from gateway.catalog import load_catalog
-from gateway.metering import prompt_bound
+from factories import MESSAGES, fake_model_nanos
+from fake_upstream import (Close, Gate, Hang, Reset, Send, Sleep, Status, chat_chunk,
+                           chat_completion, default_script, error_reply, json_reply, sse_event)
+from gateway.billing import to_nanos
 from gateway_proc import balance_nanos, make_org, usage_event, wait_until
 
 CHAT = "/v1/chat/completions"
-MESSAGES = [{"role": "user", "content": "Say hello"}]
 SSE_HEAD = Status(200, {"Content-Type": "text/event-stream"})
 LIMIT = 8  # KILN_DEFAULT_IN_FLIGHT_LIMIT
 KILN = str(Path(sys.executable).with_name("kiln"))
@@ -274,52 +273,68 @@ def test_sigkilled_worker_gives_its_slots_back_within_the_ttl(start_gateway, fak
     abandoned = [e for e in events.values() if e["status"] == "abandoned"]
     assert len(abandoned) == held[victim]
     assert {e["status"] for e in events.values()} <= {"abandoned", "client_cancelled"}
-    price = load_catalog_for(gw)["fake-model"].pricing
     for e in abandoned:
         assert e["estimated"] and e["completion_tokens"] == 3 and e["ended_at"] is not None
         # Billed what its last renewal recorded: the estimated prompt and the tokens relayed.
         assert e["prompt_tokens"] > 0
-        assert e["cost_nanos"] == to_nanos(cost_usd(
-            Usage(prompt=e["prompt_tokens"], completion=3), price))
+        assert e["cost_nanos"] == fake_model_nanos(prompt=e["prompt_tokens"], completion=3)
         assert "lease expired" in e["error"]
     assert_ledger(engine, org.id, 10 * 10**9)
 
 
 def test_requests_longer_than_the_ttl_keep_their_lease(start_gateway, fake, engine):
     """A live request renews its lease whatever it waits for (a slow status line, a long
-    non-stream answer), so the sweeper never closes it: it completes and is billed in full."""
-    gw = start_gateway(workers=1, lease_ttl_s=1.5, sweep_interval_s=0.5)
+    non-stream answer), so the sweeper never closes it: it completes and is billed in full.
+    The backend answers only once the database's clock is past the leases' first expiry and
+    two more sweeps: an event, not a sleep, so a slow machine cannot make it pass or fail."""
+    ttl_s, sweep_s = 4, 0.5  # renewed every ttl/3: a renewal may run 2.6 s late
+    gw = start_gateway(workers=1, lease_ttl_s=ttl_s, sweep_interval_s=sweep_s)
     org = make_org(engine, f"long-{uuid.uuid4().hex[:8]}")
-    slow_json = [Sleep(4)] + json_reply(chat_completion("slow", usage={
+    answer = threading.Event()
+    slow_json = [Gate(answer)] + json_reply(chat_completion("slow", usage={
         "prompt_tokens": 7, "completion_tokens": 11, "total_tokens": 18}))
-    slow_sse = [Sleep(4), SSE_HEAD, Send(sse_event(chat_chunk("x", role="assistant"))),
+    slow_sse = [Gate(answer), SSE_HEAD, Send(sse_event(chat_chunk("x", role="assistant"))),
                 Send(sse_event(chat_chunk(finish_reason="stop"))), Send(b"data: [DONE]\n\n")]
     fake.default = lambda record: slow_sse if (record.json or {}).get("stream") else slow_json
-    plain, streamed = concurrently(2, lambda i: post(
-        gw.base_url, org, stream_body() if i else {"model": "fake-model", "messages": MESSAGES},
-        stream=bool(i)))
+    with ThreadPoolExecutor(1) as pool:
+        replies = pool.submit(concurrently, 2, lambda i: post(
+            gw.base_url, org, stream_body() if i else {"model": "fake-model",
+                                                       "messages": MESSAGES},
+            stream=bool(i)))
+        first_expiry = wait_until(lambda: lease_expiries(engine, org.id, count=2))
+        wait_until(lambda: db_now(engine) > max(first_expiry) + timedelta(seconds=2 * sweep_s),
+                   timeout_s=60)
+        assert len(lease_expiries(engine, org.id, count=2)) == 2  # renewed, not swept
+        answer.set()
+        plain, streamed = replies.result(timeout=120)
     assert plain.status_code == 200 and b"[DONE]" in streamed.content
     quiet(engine, org.id)
     events = events_of(engine, org.id)
     assert [e["status"] for e in events] == ["completed", "completed"]
-    price = load_catalog_for(gw)["fake-model"].pricing
-    assert usage_event(engine, plain.headers["X-Neocloud-Generation-Id"])["cost_nanos"] == \
-        to_nanos(cost_usd(Usage(prompt=7, completion=11), price))
+    # 7 prompt and 11 completion tokens of fake-model: 7 x 100 + 11 x 300 nano-dollars.
+    assert usage_event(engine, plain.headers["X-Neocloud-Generation-Id"])["cost_nanos"] == 4_000
 
 
-def load_catalog_for(gw):
-    return load_catalog(gw.env["KILN_MODELS"])
+def lease_expiries(engine, org_id, count):
+    """The org's leases' expiry times, once it has ``count`` leases; else None."""
+    with engine.connect() as conn:
+        rows = conn.execute(sa.text("SELECT expires_at FROM in_flight WHERE org_id = :o"),
+                            {"o": org_id}).scalars().all()
+    return rows if len(rows) == count else None
+
+
+def db_now(engine):
+    with engine.connect() as conn:
+        return conn.execute(sa.text("SELECT CURRENT_TIMESTAMP")).scalar_one()
 
 
 # -- credit holds --------------------------------------------------------------------------------
 
-def exact_hold(gw, body):
-    """The hold chat.py places for ``body`` (a text-only request sent as compact JSON bytes)."""
-    entry = load_catalog_for(gw)[body["model"]]
-    raw = json.dumps(body).encode()
-    return hold_nanos(entry.pricing, prompt_bound(entry.context_window, len(raw),
-                                                  len(body["messages"]), False),
-                      body.get("max_tokens") or entry.max_output_tokens)
+# The hold of a fake-vision stream with max_tokens 2000 (README, "Holds and settlement"): its
+# 116 body bytes + 8 template tokens per message + 32 per request as prompt tokens, at 1,250
+# nano-dollars each (1.25 USD per million), and 2,000 completion tokens at 10,000 each.
+VISION_BODY = {"model": "fake-vision", "messages": MESSAGES, "stream": True, "max_tokens": 2000}
+VISION_HOLD_NANOS = (116 + 8 + 32) * 1_250 + 2_000 * 10_000  # 20,195,000: $0.020195
 
 
 def test_holds_above_the_credits_are_all_402_and_never_overdraw(gateway, fake, engine):
@@ -327,9 +342,8 @@ def test_holds_above_the_credits_are_all_402_and_never_overdraw(gateway, fake, e
     available amount, the hold and the advice to lower max_tokens; nothing reaches the upstream
     and the balance never moves."""
     org = make_org(engine, f"poor-{uuid.uuid4().hex[:8]}", usd="0.01")
-    body = stream_body("fake-vision", max_tokens=2000)
-    hold = exact_hold(gateway, body)
-    assert hold > 10**7
+    body = VISION_BODY
+    assert len(json.dumps(body).encode()) == 116 and VISION_HOLD_NANOS > 10**7
     seen, stop = [], threading.Event()
 
     def watch_balance():
@@ -347,7 +361,7 @@ def test_holds_above_the_credits_are_all_402_and_never_overdraw(gateway, fake, e
     error = responses[0].json()["error"]
     assert error["code"] == "insufficient_credits"
     assert "0.01 USD available" in error["message"]
-    assert f"{format(from_nanos(hold).normalize(), 'f')} USD" in error["message"]
+    assert "0.020195 USD" in error["message"]
     assert "max_tokens" in error["message"]
     assert fake.requests == []
     assert seen and all(s == (10**7, 0, 0) for s in seen)
@@ -357,10 +371,8 @@ def test_holds_above_the_credits_are_all_402_and_never_overdraw(gateway, fake, e
 def test_credits_for_exactly_three_holds_admit_exactly_three(gateway, fake, engine):
     """Credits of exactly three holds, 100 requests at once while the admitted ones stay
     open: exactly three admitted, 97 get 402; settled, the balance is grants minus costs."""
-    body = stream_body("fake-vision", max_tokens=2000)
-    hold = exact_hold(gateway, body)
-    org = make_org(engine, f"three-{uuid.uuid4().hex[:8]}",
-                   usd=str(from_nanos(3 * hold)))
+    body, hold = VISION_BODY, VISION_HOLD_NANOS
+    org = make_org(engine, f"three-{uuid.uuid4().hex[:8]}", usd="0.060585")  # 3 holds
     for _ in range(3):
         fake.enqueue([SSE_HEAD, Hang()])
     responses = concurrently(100, lambda i: post(gateway.base_url, org, body, stream=True))

@@ -5,15 +5,12 @@ import pytest
 
 from gateway.billing import Usage, cost_usd, from_nanos, hold_nanos, to_nanos
 from gateway.metering import prompt_bound
-from gateway.catalog import Backend, ModelEntry, Pricing
+from factories import pricing
+from gateway.catalog import Pricing
 
-PRICING = Pricing(input=Decimal("0.10"), cached_input=Decimal("0.05"), output=Decimal("0.30"))
+pytestmark = pytest.mark.unit
 
-
-def entry(**kw):
-    base = dict(id="m", context_window=4096, max_output_tokens=1024, pricing=PRICING,
-                backends=(Backend(url="http://x/v1", model="m"),))
-    return ModelEntry(**{**base, **kw})
+PRICING = pricing()  # 0.10 / 0.05 / 0.30 USD per million tokens
 
 
 def test_cost_formula_plain():
@@ -61,9 +58,9 @@ def test_nanos_round_trip_is_exact():
 
 def test_hold_bounds_prompt_by_bytes_and_context_window():
     small = hold_nanos(PRICING, prompt_bound(4096, 100, 1, False), 10)
-    assert small == to_nanos(cost_usd(Usage(prompt=100 + 8 + 32, completion=10), PRICING))
+    assert small == (100 + 8 + 32) * 100 + 10 * 300  # nano-dollars per token: 100 and 300
     huge = hold_nanos(PRICING, prompt_bound(4096, 10**7, 1, False), 10)
-    assert huge == to_nanos(cost_usd(Usage(prompt=4096, completion=10), PRICING))
+    assert huge == 4096 * 100 + 10 * 300
 
 
 def test_hold_of_a_request_with_images_assumes_the_whole_window():

@@ -9,17 +9,14 @@ import requests
 
 from fake_upstream import Hang, Reset, Send, Status, chat_chunk, chat_completion, error_reply, \
     json_reply, make_usage, sse
-from gateway.billing import Usage, cost_usd, to_nanos
-from gateway.catalog import Pricing
+from factories import MESSAGES, fake_model_nanos
 from gateway_proc import balance_nanos, make_org, usage_event, wait_until
 
-FAKE_PRICING = Pricing(Decimal("0.10"), Decimal("0.05"), Decimal("0.30"))
-MESSAGES = [{"role": "user", "content": "Say hello"}]
 
 
 def nanos(prompt, completion, cached=0):
-    return to_nanos(cost_usd(Usage(prompt=prompt, cached=cached, completion=completion),
-                             FAKE_PRICING))
+    """fake-model's price of these tokens, by literal arithmetic (tests/factories.py)."""
+    return fake_model_nanos(prompt=prompt, completion=completion, cached=cached)
 
 
 def test_non_stream_is_metered_priced_and_debited(client, fake, org, engine):

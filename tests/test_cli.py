@@ -11,6 +11,9 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
+from conftest import CATALOG
+from factories import UNREACHABLE_BACKEND
+from gateway import create_app
 from gateway_proc import create_database, drop_database
 
 KILN = str(Path(sys.executable).with_name("kiln"))
@@ -162,3 +165,64 @@ def test_text_options_the_database_cannot_store_are_refused(db):
             "Invalid value for '--message'")
     assert ledger(engine, org_id) == (0, 0)
     assert "maintenance=off" in kiln(url, "maintenance", "status").stdout
+
+
+def org_row(engine, org_id):
+    """Return ``(in_flight_limit, status)`` of an org."""
+    with engine.connect() as conn:
+        return tuple(conn.execute(sa.text("SELECT in_flight_limit, status FROM orgs "
+                                          "WHERE id = :o"), {"o": org_id}).one())
+
+
+def test_org_create_with_a_limit_and_org_set_change_the_org(db):
+    _, url, engine = db
+    limited = int(kiln(url, "org", "create", "limited", "--limit", "16").stdout)
+    plain = int(kiln(url, "org", "create", "plain").stdout)
+    assert org_row(engine, limited) == (16, "active")
+    assert org_row(engine, plain) == (None, "active")  # KILN_DEFAULT_IN_FLIGHT_LIMIT applies
+    kiln(url, "org", "set", "plain", "--limit", "3")
+    assert org_row(engine, plain) == (3, "active")
+    kiln(url, "org", "set", f"id:{plain}", "--status", "suspended")
+    assert org_row(engine, plain) == (3, "suspended")
+    kiln(url, "org", "set", "plain", "--status", "active", "--limit", "1")
+    assert org_row(engine, plain) == (1, "active")
+    assert org_row(engine, limited) == (16, "active")  # the other org is untouched
+
+
+def test_org_limits_and_statuses_outside_the_rules_are_refused(db):
+    _, url, engine = db
+    org_id = int(kiln(url, "org", "create", "acme", "--limit", "4").stdout)
+    for args, words in [(["--limit", "0"], ["Invalid value for '--limit'"]),
+                        (["--limit", "-2"], ["Invalid value for '--limit'"]),
+                        (["--limit", "many"], ["Invalid value for '--limit'"]),
+                        (["--status", "closed"], ["Invalid value for '--status'"]),
+                        ([], ["nothing to change"])]:
+        refused(kiln(url, "org", "set", "acme", *args, check=False), *words)
+    refused(kiln(url, "org", "set", "nobody", "--limit", "2", check=False), "no org")
+    refused(kiln(url, "org", "create", "other", "--limit", "0", check=False),
+            "Invalid value for '--limit'")
+    assert org_row(engine, org_id) == (4, "active")
+    with engine.connect() as conn:
+        assert conn.execute(sa.text("SELECT count(*) FROM orgs")).scalar_one() == 1
+
+
+@pytest.mark.parametrize("db", ["sqlite"], indirect=True)
+def test_what_org_set_changes_is_what_the_gateway_enforces(db, tmp_path):
+    _, url, engine = db
+    kiln(url, "org", "create", "acme", "--limit", "5")
+    key = kiln(url, "key", "create", "acme").stdout.strip().splitlines()[-1]
+    app = create_app({"database_url": url, "models": str(catalog(tmp_path)),
+                      "sweep_interval_s": 0, "key_cache_ttl_s": 0})
+    client, headers = app.test_client(), {"Authorization": f"Bearer {key}"}
+    assert client.get("/v1/credits", headers=headers).get_json()["in_flight_limit"] == 5
+    kiln(url, "org", "set", "acme", "--limit", "2")
+    assert client.get("/v1/credits", headers=headers).get_json()["in_flight_limit"] == 2
+    kiln(url, "org", "set", "acme", "--status", "suspended")
+    r = client.get("/v1/credits", headers=headers)
+    assert (r.status_code, r.get_json()["error"]["code"]) == (403, "org_suspended")
+
+
+def catalog(directory):
+    path = Path(directory) / "models.toml"
+    path.write_text(CATALOG.format(url=UNREACHABLE_BACKEND))
+    return path

@@ -12,6 +12,8 @@ from gateway.errors import UpstreamError, UpstreamRejected
 from gateway.outcomes import Status
 from gateway.relay import ClientGone, StreamFailed
 
+pytestmark = pytest.mark.unit
+
 
 class StubGeneration:
     """What ``_life`` uses of a generation: the request kind, the head flag, close and settle."""

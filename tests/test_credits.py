@@ -13,16 +13,14 @@ import pytest
 import requests
 import sqlalchemy as sa
 
+from factories import MESSAGES
 from fake_upstream import Hang, Status, chat_chunk, chat_completion, json_reply, make_usage, sse
-from gateway.billing import Usage, cost_usd, from_nanos, to_nanos
-from gateway.catalog import Pricing
+from gateway.billing import from_nanos
 from gateway_proc import (balance_nanos, create_database, drop_database, make_org, migrate,
                           usage_event, wait_until)
 
 KILN = str(Path(sys.executable).with_name("kiln"))
 CHAT = "/v1/chat/completions"
-MESSAGES = [{"role": "user", "content": "Say hello"}]
-FAKE_PRICING = Pricing(Decimal("0.10"), Decimal("0.05"), Decimal("0.30"))
 GENERATION_KEYS = {"id", "object", "model", "stream", "status", "http_status", "prompt_tokens",
                    "cached_tokens", "completion_tokens", "total_tokens", "estimated", "cost_usd",
                    "hold_usd", "error", "error_code", "anomaly", "created_at", "first_token_at",
@@ -87,7 +85,7 @@ def test_generation_of_a_completed_request(gateway, fake, org, engine):
     settled(engine, gid)
     view = get(gateway, "/v1/generation", org, id=gid).json()
     assert set(view) == GENERATION_KEYS
-    expected = to_nanos(cost_usd(Usage(prompt=12, completion=34), FAKE_PRICING))
+    expected = 11_400  # 12 x 100 + 34 x 300 nano-dollars (fake-model: 0.10 and 0.30 USD/M)
     assert view | {"created_at": None, "first_token_at": None, "ended_at": None, "ttft_ms": None,
                    "duration_ms": None, "hold_usd": None} == {
         "id": gid, "object": "generation", "model": "fake-model", "stream": False,

@@ -1,6 +1,7 @@
 """Deployment files: the nginx site (deploy/nginx/kiln.conf) in a real nginx in front of a
 stub upstream, and the systemd unit (deploy/kiln-gateway.service) through systemd-analyze.
 """
+import dataclasses
 import http.client
 import json
 import re
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 
 import nginx_proc
+from gateway.config import Config
 
 ROOT = Path(__file__).resolve().parent.parent
 SITE = ROOT / "deploy" / "nginx" / "kiln.conf"
@@ -468,12 +470,42 @@ def test_systemd_analyze_verify_catches_a_bad_key(tmp_path):
     assert "LockPersonalty" in result.stdout + result.stderr
 
 
+# Commented-out settings that show an example value, their default being empty (said in words).
+EXAMPLE_VALUES = {"KILN_CORS_ORIGINS", "KILN_SLOT_DIR"}
+
+
+def env_example_settings(text):
+    """``{name: (value, commented out, its comment)}`` of each ``KILN_*`` line of the example;
+    settings on consecutive lines share the comment above them."""
+    out, comment, after_setting = {}, [], False
+    for line in text.splitlines():
+        match = re.match(r"^(#?)(KILN_\w+)=(.*)$", line)
+        if match:
+            out[match[2]] = (match[3], bool(match[1]), " ".join(comment))
+        elif line.startswith("#"):
+            comment = ([] if after_setting else comment) + [line]
+        elif not line.strip():
+            comment = []
+        after_setting = bool(match)
+    return out
+
+
+@pytest.mark.unit
 def test_env_example_documents_every_setting():
-    text = ENV_EXAMPLE.read_text()
-    assigned = dict(re.findall(r"^(KILN_\w+)=(.*)$", text, flags=re.MULTILINE))
-    for name in ("KILN_DATABASE_URL", "KILN_MODELS", "KILN_BIND", "KILN_WORKERS",
-                 "KILN_MAX_BODY_BYTES", "KILN_KEEPALIVE_S", "KILN_TRUSTED_PROXIES"):
-        assert name in assigned, name
+    settings = env_example_settings(ENV_EXAMPLE.read_text())
+    names = {f"KILN_{f.name.upper()}" for f in dataclasses.fields(Config)}
+    names |= set(re.findall(r"KILN_[A-Z_]*[A-Z]", (ROOT / "deploy" / "gunicorn.conf.py")
+                            .read_text()))
+    assert names - set(settings) == set()
+    for name, (value, commented, comment) in settings.items():
+        assert comment.strip("# "), f"{name} has no comment"
+        field = name.removeprefix("KILN_").lower()
+        if commented and field in Config.__dataclass_fields__ and name not in EXAMPLE_VALUES:
+            # "Unset variables take the default shown."
+            assert getattr(Config.from_mapping({field: value}), field) == \
+                getattr(Config(), field), name
+    assigned = {name: value for name, (value, commented, _) in settings.items()
+                if not commented}
     assert assigned["KILN_DATABASE_URL"].startswith("postgresql+psycopg://")
     assert int(assigned["KILN_MAX_BODY_BYTES"]) == 16 * MiB
     assert assigned["KILN_BIND"] == nginx_proc.SHIPPED_UPSTREAM

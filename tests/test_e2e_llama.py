@@ -11,8 +11,7 @@ import openai
 import pytest
 import sqlalchemy as sa
 
-from gateway.billing import Usage, cost_usd, to_nanos
-from gateway.catalog import load_catalog
+from factories import SMOLLM2_NANOS, literal_cost_nanos
 from gateway_proc import ROOT, Gateway, balance_nanos, free_port, make_org, usage_event, \
     wait_until
 from model_server import start_model_server, stop, wait_ready
@@ -52,11 +51,10 @@ def llama_gateway(pg_url, llama_catalog):
     gw.stop()
 
 
-def expected_nanos(catalog_path, event):
-    pricing = load_catalog(catalog_path)["smollm2-135m"].pricing
-    usage = Usage(prompt=event["prompt_tokens"], cached=event["cached_tokens"],
-                  completion=event["completion_tokens"])
-    return to_nanos(cost_usd(usage, pricing))
+def expected_nanos(event):
+    """The event's tokens at the demo catalog's prices, by literal arithmetic."""
+    return literal_cost_nanos(SMOLLM2_NANOS, event["prompt_tokens"], event["completion_tokens"],
+                              event["cached_tokens"])
 
 
 def sdk(gateway, key):
@@ -76,7 +74,7 @@ def test_non_stream_answer_is_billed_exactly(llama_gateway, llama_catalog, engin
     assert event["status"] == "completed" and not event["estimated"]
     assert event["prompt_tokens"] == resp.usage.prompt_tokens > 0
     assert event["completion_tokens"] == resp.usage.completion_tokens > 0
-    assert event["cost_nanos"] == expected_nanos(llama_catalog, event)
+    assert event["cost_nanos"] == expected_nanos(event)
     assert Decimal(str(resp.usage.model_extra["cost"])) == Decimal(event["cost_nanos"]) / 10**9
     after = balance_nanos(engine, org.id)
     assert before[0] - after[0] == event["cost_nanos"] and after[1:] == (0, 0)
@@ -108,9 +106,17 @@ def test_stream_answer_is_metered_by_kiln_and_billed_exactly(llama, llama_gatewa
     assert event["completion_tokens"] == usage.completion_tokens > 0
     assert event["prompt_tokens"] == usage.prompt_tokens > 0
     # Kiln's count of the relayed text is the model's own tokenizer's, or (when the single-slot
-    # server was too busy to answer) the text's bytes: never below the tokenizer's count.
-    assert event["completion_tokens"] in (tokens(llama, text), min(len(text.encode()), 24))
-    assert event["cost_nanos"] == expected_nanos(llama_catalog, event)
+    # server was too busy to answer) the text's bytes: never below the tokenizer's count, and
+    # never above the 24 tokens held for.
+    exact = tokens(llama, text)
+    assert event["completion_tokens"] in (exact, min(len(text.encode()), 24))
+    assert exact <= event["completion_tokens"] <= 24
+    # The prompt, counted by Kiln too, is never below what the model itself counts for it.
+    with sdk(llama_gateway, make_org(engine, "e2e-stream-prompt").key) as client:
+        model_prompt = client.chat.completions.create(
+            model="smollm2-135m", messages=MESSAGES, max_tokens=1).usage.prompt_tokens
+    assert event["prompt_tokens"] >= model_prompt > 0
+    assert event["cost_nanos"] == expected_nanos(event)
     assert Decimal(str(usage.model_extra["cost"])) == Decimal(event["cost_nanos"]) / 10**9
     assert before[0] - balance_nanos(engine, org.id)[0] == event["cost_nanos"]
 

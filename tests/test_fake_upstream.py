@@ -1,6 +1,5 @@
 """Self-tests for the scripted fake upstream (tests/fake_upstream.py)."""
 
-import functools
 import itertools
 import json
 import threading
@@ -8,9 +7,12 @@ import time
 
 import pytest
 import requests
+from conftest import fail_on_fake_errors
+from gateway_proc import wait_until
 from fake_upstream import (
     Close,
     FakeUpstream,
+    Gate,
     Hang,
     Reset,
     Send,
@@ -33,10 +35,11 @@ def fake():
     assert not server.errors
 
 
-def chat(fake, stream=False):
+def chat(fake, stream=False, timeout=5):
     """POST a chat completion; ``stream`` sets both the body flag and requests' streaming."""
     body = {"model": "m1", "messages": [{"role": "user", "content": "hi"}], "stream": stream}
-    return requests.post(fake.base_url + "/chat/completions", json=body, stream=stream, timeout=5)
+    return requests.post(fake.base_url + "/chat/completions", json=body, stream=stream,
+                         timeout=timeout)
 
 
 def read_chunks(response):
@@ -146,13 +149,16 @@ def test_hang_before_status_and_client_timeout(fake):
 
 
 def test_max_active_counts_concurrent_requests(fake):
-    fake.default = functools.partial(default_script, hold_s=1.5)
+    release = threading.Event()  # all eight are held until they are all active
+    fake.default = lambda record: [Gate(release), *default_script(record)]
     results = []
-    threads = [threading.Thread(target=lambda: results.append(chat(fake).status_code))
+    threads = [threading.Thread(target=lambda: results.append(chat(fake, timeout=60)
+                                                              .status_code))
                for _ in range(8)]
     for t in threads:
         t.start()
-    fake.wait_for(lambda _: fake.active == 8, timeout=1.5)
+    fake.wait_for(lambda _: fake.active == 8, timeout=30)
+    release.set()
     for t in threads:
         t.join()
     assert results == [200] * 8
@@ -185,3 +191,17 @@ def test_error_reply(fake, plain):
     r = chat(fake)
     assert r.status_code == 429
     assert (r.text if plain else r.json()["error"]["message"]) == "slow down"
+
+
+def test_a_failing_responder_fails_the_test_not_reads_as_a_502():
+    """The shared ``fake`` fixture (conftest.py) fails a test whose fake upstream broke."""
+    def broken(record):
+        raise KeyError("a bug in a responder")
+
+    with FakeUpstream(default=broken) as server:
+        with pytest.raises(requests.ConnectionError):
+            chat(server)
+        wait_until(lambda: server.errors, timeout_s=10)
+    fail_on_fake_errors(server, since=len(server.errors))  # nothing new: passes
+    with pytest.raises(pytest.fail.Exception, match="a bug in a responder"):
+        fail_on_fake_errors(server, since=0)

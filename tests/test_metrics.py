@@ -10,16 +10,14 @@ import requests
 from prometheus_client.parser import text_string_to_metric_families
 
 from fake_upstream import Hang, Status, error_reply
-from gateway.billing import Usage, cost_usd, to_nanos
-from gateway.catalog import Pricing
 from gateway_proc import make_org, wait_until
 
 pytestmark = pytest.mark.postgres
 
 CLOSE = {"Connection": "close"}  # no idle keep-alive connection left to hold a stopping worker
 BODY = {"model": "fake-model", "messages": [{"role": "user", "content": "Say hello"}]}
-FAKE_PRICING = Pricing(Decimal("0.10"), Decimal("0.05"), Decimal("0.30"))
-DEFAULT_COST_NANOS = to_nanos(cost_usd(Usage(prompt=10, completion=5), FAKE_PRICING))
+# The fake's default usage, 10 prompt and 5 completion tokens of fake-model: 10 x 100 + 5 x 300.
+DEFAULT_COST_NANOS = 2_500
 
 
 def scrape(gw):

@@ -135,7 +135,7 @@ def test_request_schema_states_the_contract(document):
         "temperature", "top_p", "presence_penalty", "frequency_penalty")] == [
         (0, 2), (0, 1), (-2, 2), (-2, 2)]
     assert inner("reasoning_effort")["enum"] == ["low", "medium", "high"]
-    assert inner("n") == {"type": "integer", "minimum": 1}
+    assert inner("n") == {"type": "integer", "minimum": 1, "maximum": 128}
     assert inner("stop")["oneOf"][1]["maxItems"] == 4
     assert props["stream"]["enum"] == [True, "true", 1, False, "false", 0, None]
     assert props["messages"]["minItems"] == 1

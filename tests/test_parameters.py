@@ -1,18 +1,18 @@
 """The body Kiln builds for each backend, as plain functions (no HTTP): every field of the OpenAI
 chat request is forwarded, rewritten, dropped or refused, and this file lists which."""
 import re
-from decimal import Decimal
 from pathlib import Path
 
 import pytest
 
-from gateway.catalog import Backend, ModelEntry, Pricing
+from factories import model_entry
 from gateway.errors import InvalidRequest, UnsupportedParameter
 from gateway.parameters import PARAMETERS, upstream_body
 from gateway.validation import validate_chat
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parent.parent
-PRICING = Pricing(Decimal("0.1"), Decimal("0.05"), Decimal("0.3"))
 MESSAGES = [{"role": "user", "content": "hi"}]
 
 # The OpenAI chat completions request (its API reference, late 2025) plus the endpoint
@@ -49,8 +49,7 @@ SAMPLE = {
 
 
 def entry(server="generic", **kw):
-    return ModelEntry(id="m", context_window=4096, max_output_tokens=512, pricing=PRICING,
-                      backends=(Backend("http://b/v1", "up-m", server=server),), **kw)
+    return model_entry(server, max_output_tokens=512, **kw)
 
 
 def build(server="generic", model=None, **fields):

@@ -10,6 +10,8 @@ from gateway.metering import Meter
 from gateway.sse import DONE, EventSplitter, StreamRules, frame, member_span, with_cost, \
     without_member
 
+pytestmark = pytest.mark.unit
+
 UNICODE = "caf\u00e9 \u2013 \u65e5\u672c \U0001F642"  # 2-, 3- and 4-byte UTF-8 characters
 CHUNK = json.dumps({"id": "c1", "object": "chat.completion.chunk", "choices": [
     {"index": 0, "delta": {"content": UNICODE}, "finish_reason": None}]},

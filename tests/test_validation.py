@@ -9,7 +9,6 @@ record. Output rules Kiln enforces itself: ``stop``, single tool call, replies c
 """
 import json
 import socket
-from decimal import Decimal
 
 import openai
 import pytest
@@ -17,11 +16,9 @@ import requests
 import sqlalchemy as sa
 
 from fake_upstream import chat_chunk, chat_completion, json_reply, make_usage, sse
-from gateway.billing import Usage, cost_usd, to_nanos
-from gateway.catalog import Pricing
+from factories import MESSAGES, fake_model_nanos
 from gateway_proc import balance_nanos, usage_event, wait_until
 
-MESSAGES = [{"role": "user", "content": "Say hello"}]
 START = (10 * 10**9, 0, 0)  # a fresh org: $10, nothing held, nothing in flight
 DROP = object()  # marks a key to leave out of the body
 BACKEND_MODEL = {"fake-model": "upstream-fake", "fake-vision": "upstream-vision",
@@ -33,12 +30,11 @@ CALL = {"id": "call_1", "type": "function",
         "function": {"name": "get_weather", "arguments": "{}"}}
 
 
-FAKE_PRICING = Pricing(Decimal("0.10"), Decimal("0.05"), Decimal("0.30"))  # fake-model
 
 
 def nanos(prompt, completion):
     """The cost of fake-model ``prompt``/``completion`` tokens in nano-dollars."""
-    return to_nanos(cost_usd(Usage(prompt=prompt, completion=completion), FAKE_PRICING))
+    return fake_model_nanos(prompt=prompt, completion=completion)
 
 
 def body_with(**changes):

@@ -1,0 +1,79 @@
+"""The request contract in process: Flask's test client on a Kiln over SQLite, no gunicorn.
+
+Every row of the contract table (``test_validation.REJECTED``, which the real gateway also
+runs) is refused here with its status, ``error.code`` and ``param``, and leaves nothing behind:
+no usage event, no lease, no change to the balance. The catalog's backend is a port where
+nothing listens, so a row that reached a backend would fail loudly.
+"""
+import pytest
+import sqlalchemy as sa
+
+import factories
+from conftest import CATALOG
+from test_validation import REJECTED
+
+pytestmark = pytest.mark.unit
+START_NANOS = 10 * 10**9
+
+
+@pytest.fixture(scope="module")
+def kiln(tmp_path_factory):
+    app, engine = factories.sqlite_app(tmp_path_factory.mktemp("kiln"),
+                                       CATALOG.format(url=factories.UNREACHABLE_BACKEND))
+    yield app, engine
+    engine.dispose()
+
+
+@pytest.fixture(scope="module")
+def org(kiln):
+    return factories.org(kiln[1])
+
+
+def trace(engine, org_id):
+    """``(usage events, leases, balance nanos, held nanos, in flight)`` of an org."""
+    with engine.connect() as conn:
+        counts = [conn.execute(sa.text(f"SELECT count(*) FROM {t} WHERE org_id = :o"),
+                               {"o": org_id}).scalar_one() for t in ("usage_events", "in_flight")]
+        row = conn.execute(sa.text("SELECT balance_nanos, held_nanos, in_flight FROM "
+                                   "credit_balances WHERE org_id = :o"), {"o": org_id}).one()
+    return (*counts, *row)
+
+
+@pytest.mark.parametrize("body,status,code,param",
+                         [pytest.param(*case[1:], id=case[0]) for case in REJECTED])
+def test_rejected_in_process(kiln, org, body, status, code, param):
+    app, engine = kiln
+    r = app.test_client().post("/v1/chat/completions", json=body, headers=org.headers)
+    assert r.headers["Content-Type"].startswith("application/json")
+    error = r.get_json()["error"]
+    assert (r.status_code, error["code"], error["param"]) == (status, code, param)
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert trace(engine, org.id) == (0, 0, START_NANOS, 0, 0)
+
+
+def test_a_valid_body_reaches_admission_and_the_backend(kiln, org):
+    """The control row: the same client and app do admit a valid body (and then find no
+    backend), so the refusals above are the contract's, not the harness's."""
+    app, engine = kiln
+    other = factories.org(engine)
+    r = app.test_client().post("/v1/chat/completions", json=factories.chat_body(),
+                               headers=other.headers)
+    assert r.status_code == 502 and r.headers.get("X-Neocloud-Generation-Id")
+    events, leases, balance, held, in_flight = trace(engine, other.id)
+    assert (events, leases, balance, held, in_flight) == (1, 0, START_NANOS, 0, 0)
+
+
+@pytest.mark.parametrize("headers,status,code", [
+    ({}, 401, "invalid_api_key"),
+    ({"Authorization": "Bearer kiln-not-a-key"}, 401, "invalid_api_key"),
+])
+def test_a_missing_or_unknown_key_is_401(kiln, headers, status, code):
+    r = kiln[0].test_client().post("/v1/chat/completions", json=factories.chat_body(),
+                                   headers=headers)
+    assert (r.status_code, r.get_json()["error"]["code"]) == (status, code)
+
+
+def test_credits_in_process(kiln, org):
+    r = kiln[0].test_client().get("/v1/credits", headers=org.headers)
+    assert r.status_code == 200
+    assert (r.get_json()["balance_usd"], r.get_json()["in_flight"]) == ("10", 0)

@@ -1,0 +1,82 @@
+"""Property of the SSE splitter (gateway/sse.py): any split of any valid stream yields the same
+events. Streams are drawn from the SSE grammar (WHATWG HTML, "Server-sent events"): events of
+one or more ``data:`` lines (with or without the space after the colon), comment, ``event:``,
+``id:`` and ``retry:`` lines, any line ending (LF, CRLF, CR, mixed), payloads of any bytes but
+CR and LF, multi-byte UTF-8 included."""
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gateway.sse import EventSplitter
+
+pytestmark = pytest.mark.unit
+NEWLINE = st.sampled_from([b"\n", b"\r\n", b"\r"])
+TEXT = st.text(st.characters(blacklist_characters="\r\n", blacklist_categories=["Cs"]),
+               max_size=40).map(lambda text: text.encode())
+OTHER_LINE = st.one_of(TEXT.map(lambda t: b":" + t), TEXT.map(lambda t: b"event: " + t),
+                       TEXT.map(lambda t: b"id: " + t), st.just(b"retry: 1000"))
+
+
+@st.composite
+def data_line(draw):
+    """``(line, value)``: a data line and the value it carries."""
+    value = draw(TEXT)
+    if value.startswith(b" ") or draw(st.booleans()):
+        return b"data: " + value, value  # the one space after the colon is not the value's
+    return b"data:" + value, value
+
+
+@st.composite
+def event(draw):
+    """``(lines, payload)``: an event's lines in order, and its data payload (None if none)."""
+    data = draw(st.lists(data_line(), max_size=3))
+    lines = [line for line, _ in data]
+    for other in draw(st.lists(OTHER_LINE, max_size=2)):
+        lines.insert(draw(st.integers(0, len(lines))), other)
+    if not lines:
+        lines = [b": keepalive"]
+    payload = b"\n".join(value for _, value in data) if data else None
+    return lines, payload
+
+
+@st.composite
+def stream(draw):
+    """``(bytes, payloads)``: a whole stream and the payloads its events carry, in order."""
+    events = draw(st.lists(event(), min_size=1, max_size=8))
+    out = bytearray()
+    for lines, _ in events:
+        for line in [*lines, b""]:  # the blank line ends the event
+            out += line + _newline(draw, out)
+    return bytes(out), [payload for _, payload in events if payload is not None]
+
+
+def _newline(draw, before):
+    """A line ending; after a CR, not a lone LF (CR then LF is one CRLF ending)."""
+    newline = draw(NEWLINE)
+    return b"\r" if before.endswith(b"\r") and newline == b"\n" else newline
+
+
+def split_at(data, cuts):
+    points = sorted({c % (len(data) + 1) for c in cuts})
+    return [data[a:b] for a, b in zip([0, *points], [*points, len(data)], strict=True)]
+
+
+@settings(max_examples=500, deadline=None)
+@given(drawn=stream(), cuts=st.lists(st.integers(min_value=0), max_size=30))
+def test_any_split_of_any_valid_stream_yields_the_same_events(drawn, cuts):
+    data, payloads = drawn
+    splitter, events = EventSplitter(), []
+    for piece in split_at(data, cuts):
+        events += splitter.feed(piece)
+    assert events == payloads
+    assert splitter.pending == b""
+
+
+@settings(max_examples=200, deadline=None)
+@given(drawn=stream())
+def test_one_byte_at_a_time_yields_the_same_events(drawn):
+    data, payloads = drawn
+    splitter, events = EventSplitter(), []
+    for i in range(len(data)):
+        events += splitter.feed(data[i:i + 1])
+    assert events == payloads
