@@ -10,15 +10,12 @@ Rules that depend on the model (``max_tokens`` at most its max output, image par
 from flask import Blueprint, current_app, jsonify
 
 from .outcomes import Status
-from .parameters import INT64, MAX_N, MAX_STOP_STRINGS, PARAMETERS, RANGES, REASONING_EFFORTS, \
-    REFUSE
+from .openapi_request import nullable, ref, request_schemas
 
 bp = Blueprint("openapi", __name__)
 
-REF = "#/components/schemas/"
 DECIMAL_USD = {"type": "string", "pattern": r"^-?[0-9]+(\.[0-9]+)?$",
                "description": "Exact USD amount as a decimal string."}
-TRUE_STREAM, FALSE_STREAM = [True, "true", 1], [False, "false", 0, None]
 
 # Error ``type`` and the ``code`` values each status can carry (errors.py and the endpoint
 # reference's "Errors" table).
@@ -78,7 +75,7 @@ def build_document(max_body_bytes):
                  "description": "OpenAI-compatible chat completions with prepaid credits. "
                                 "Every error is the OpenAI envelope, except 502 (plain text)."},
         "paths": {**_paths(max_body_bytes), **key_paths()},
-        "components": {"schemas": {**_request_schemas(), **_response_schemas(),
+        "components": {"schemas": {**request_schemas(), **_response_schemas(),
                                    **_account_schemas(), **key_schemas()},
                        "securitySchemes": {"apiKey": {"type": "http", "scheme": "bearer"}}},
         "security": [{"apiKey": []}],
@@ -95,7 +92,7 @@ def _paths(max_body_bytes):
             "operationId": "createChatCompletion",
             "summary": "Create a chat completion, metered and billed; JSON or an SSE stream.",
             "requestBody": {"required": True, "content": {"application/json": {
-                "schema": _ref("ChatCompletionRequest")}}},
+                "schema": ref("ChatCompletionRequest")}}},
             "responses": {"200": _chat_ok(), **chat_errors}}},
         "/v1/models": {"get": _get("listModels", "List the catalog's public models.",
                                    "ModelList", _errors(401, 403))},
@@ -127,11 +124,11 @@ def _get(operation_id, summary, schema, errors):
 
 def _json_response(description, schema):
     return {"description": description,
-            "content": {"application/json": {"schema": _ref(schema)}}}
+            "content": {"application/json": {"schema": ref(schema)}}}
 
 
 def _chat_ok():
-    event_data = {"oneOf": [_ref("ChatCompletionChunk"), _ref("ErrorResponse"),
+    event_data = {"oneOf": [ref("ChatCompletionChunk"), ref("ErrorResponse"),
                             {"const": "[DONE]"}]}
     return {
         "description": "The completion, as JSON; or, with `stream` true, an SSE stream whose "
@@ -140,7 +137,7 @@ def _chat_ok():
                        "the stream began is one `data:` event holding an ErrorResponse.",
         "headers": {"X-Neocloud-Generation-Id": _generation_header()},
         "content": {
-            "application/json": {"schema": _ref("ChatCompletion")},
+            "application/json": {"schema": ref("ChatCompletion")},
             "text/event-stream": {"schema": _sse_event(), "x-sse-data": event_data},
         },
     }
@@ -148,7 +145,7 @@ def _chat_ok():
 
 def _sse_event():
     """One event of the stream (OpenAPI 3.1 reads a ``text/event-stream`` schema per event)."""
-    chunk_or_error = {"oneOf": [_ref("ChatCompletionChunk"), _ref("ErrorResponse")]}
+    chunk_or_error = {"oneOf": [ref("ChatCompletionChunk"), ref("ErrorResponse")]}
     data = {"anyOf": [{"const": "[DONE]"}, {
         "type": "string", "contentMediaType": "application/json",
         "contentSchema": chunk_or_error}]}
@@ -169,7 +166,7 @@ def _errors(*statuses):
                           "content": {"text/plain": {"schema": {"type": "string"}}}}
             continue
         response = {"description": ERROR_WHY[status], "content": {"application/json": {
-            "schema": {"allOf": [_ref("ErrorResponse"), _error_codes(status)]}}}}
+            "schema": {"allOf": [ref("ErrorResponse"), _error_codes(status)]}}}}
         if status == 503:
             response["headers"] = {"Retry-After": {
                 "description": "Seconds to wait (maintenance mode; a backend at capacity).",
@@ -181,145 +178,6 @@ def _errors(*statuses):
 def _error_codes(status):
     return {"properties": {"error": {"properties": {
         "type": {"const": ERROR_TYPES[status]}, "code": {"enum": ERROR_CODES[status]}}}}}
-
-
-# -- request ---------------------------------------------------------------------------------------
-
-def _request_schemas():
-    return {
-        "ChatCompletionRequest": _chat_request(),
-        "SystemMessage": _message("system", {"content": {"type": "string"}}, ["content"]),
-        "UserMessage": _message("user", {"content": _text_or_parts()}, ["content"]),
-        "AssistantMessage": _assistant_message(),
-        "ToolMessage": _message("tool", {"tool_call_id": {"type": "string"},
-                                         "content": _text_or_parts()},
-                                ["tool_call_id", "content"]),
-        "ContentPart": {
-            "type": "object", "required": ["type"], "properties": {"type": {"type": "string"}},
-            "description": "Forwarded unchanged. A part of type `image_url` is accepted only by "
-                           "models whose `input_modalities` include `image`; elsewhere 400 "
-                           "`unsupported_parameter` naming `messages[i].content[j]`."},
-        "FunctionTool": _function_tool(),
-        "ToolChoice": _tool_choice(),
-        "ResponseFormat": {
-            "type": "object", "required": ["type"],
-            "properties": {"type": {"enum": ["text", "json_object", "json_schema"]},
-                           "json_schema": {"type": "object"}},
-            "description": "`text` always; `json_object` and `json_schema` only on models "
-                           "whose `capabilities.response_format` is true, else 400 "
-                           "`unsupported_parameter`."},
-        "StreamOptions": {
-            "type": "object", "properties": {"include_usage": {"type": "boolean"}},
-            "description": "Only with `stream` true. `include_usage` true adds a final chunk "
-                           "with `usage` (and `usage.cost`). Other keys are forwarded."},
-    }
-
-
-def _nullable(schema):
-    """Kiln treats ``null`` as absent for every optional parameter."""
-    return {"anyOf": [schema, {"type": "null"}]}
-
-
-def _chat_request():
-    properties = {
-        "model": {"type": "string", "description": "A model id from GET /v1/models."},
-        "messages": {"type": "array", "minItems": 1, "items": {"oneOf": [
-            _ref("SystemMessage"), _ref("UserMessage"), _ref("AssistantMessage"),
-            _ref("ToolMessage")]},
-            "description": "Missing or empty: 400 `empty_array`."},
-        "max_tokens": _nullable({"type": "integer", "minimum": 1, "description":
-                                 "At most the model's `max_output_tokens`; forwarded as "
-                                 "given. A reply cut here ends with finish_reason `length` "
-                                 "and may have empty content."}),
-        "max_completion_tokens": _nullable({"type": "integer", "minimum": 1}),
-        "stream": {"enum": TRUE_STREAM + FALSE_STREAM, "default": False,
-                   "description": "true, \"true\", 1 stream; false, \"false\", 0, null do not. "
-                                  "Sent upstream as a boolean."},
-        "stream_options": _nullable(_ref("StreamOptions")),
-        "tools": _nullable({"type": "array", "items": _ref("FunctionTool")}),
-        "tool_choice": _nullable(_ref("ToolChoice")),
-        "parallel_tool_calls": _nullable({"type": "boolean", "description":
-                                          "Forwarded to models whose `capabilities."
-                                          "parallel_tool_calls` is true; elsewhere false is "
-                                          "enforced by Kiln, keeping only the first tool "
-                                          "call."}),
-        "reasoning_effort": _nullable({"enum": list(REASONING_EFFORTS)}),
-        **{name: _nullable({"type": "number", "minimum": low, "maximum": high})
-           for name, (low, high) in RANGES.items()},
-        "n": _nullable({"type": "integer", "minimum": 1, "maximum": MAX_N}),
-        "seed": _nullable({"type": "integer", "minimum": -INT64, "maximum": INT64 - 1}),
-        "stop": _nullable({"oneOf": [
-            {"type": "string", "minLength": 1},
-            {"type": "array", "maxItems": MAX_STOP_STRINGS,
-             "items": {"type": "string", "minLength": 1}}],
-            "description": "Forwarded, and enforced by Kiln: output is cut before the first "
-                           "stop string and finish_reason becomes `stop`."}),
-        "response_format": _nullable(_ref("ResponseFormat")),
-        "ignore_eos": {"description": "true is rejected (400 `unsupported_parameter`) on "
-                                      "gpt-oss models; forwarded elsewhere."},
-    }
-    properties.update({name: {"description": _treatment(what)}
-                       for name, what in PARAMETERS.items() if name not in properties})
-    return {
-        "type": "object", "required": ["model", "messages"], "properties": properties,
-        "additionalProperties": False,
-        "description": "Integers are JSON integer literals (`1`, not `1.0`). Fields listed "
-                       "without a schema are OpenAI chat parameters Kiln forwards, drops or "
-                       "refuses (docs/PARAMETERS.md); any other field is 400 "
-                       "`unknown_parameter` unless the model's catalog entry allows it by "
-                       "name (`extra_params`).",
-        # stream_options needs stream true (endpoint reference).
-        "if": {"required": ["stream_options"],
-               "properties": {"stream_options": {"type": "object"}}},
-        "then": {"required": ["stream"], "properties": {"stream": {"enum": TRUE_STREAM}}},
-    }
-
-
-def _treatment(what):
-    if what == REFUSE:
-        return "Refused: 400 `unsupported_parameter` (docs/PARAMETERS.md)."
-    return f"OpenAI chat parameter, {what} by Kiln (docs/PARAMETERS.md)."
-
-
-def _message(role, properties, required):
-    return {"type": "object", "required": ["role", *required],
-            "properties": {"role": {"const": role}, **properties}}
-
-
-def _text_or_parts():
-    return {"oneOf": [{"type": "string"}, {"type": "array", "items": _ref("ContentPart")}]}
-
-
-def _assistant_message():
-    schema = _message("assistant", {
-        "content": {"oneOf": [{"type": "string"}, {"type": "null"},
-                              {"type": "array", "items": _ref("ContentPart")}]},
-        "tool_calls": {"type": "array", "description": "Forwarded unchanged."}}, [])
-    # Content may be null or absent only when the message carries tool calls.
-    schema["anyOf"] = [
-        {"required": ["content"], "properties": {"content": {"type": ["string", "array"]}}},
-        {"required": ["tool_calls"], "properties": {"tool_calls": {"minItems": 1}}}]
-    return schema
-
-
-def _function_tool():
-    text = {"type": "string", "pattern": r"\S"}
-    return {"type": "object", "required": ["type", "function"], "properties": {
-        "type": {"const": "function"},
-        "function": {"type": "object", "required": ["name", "description"], "properties": {
-            "name": text, "description": {**text, "description": "Required, non-empty."},
-            "parameters": {"type": "object", "description": "JSON Schema of the arguments."}}}}}
-
-
-def _tool_choice():
-    named = {"type": "object", "required": ["type", "function"], "properties": {
-        "type": {"const": "function"},
-        "function": {"type": "object", "required": ["name"],
-                     "properties": {"name": {"type": "string"}}}}}
-    return {"oneOf": [{"enum": ["auto", "none", "required"]}, named],
-            "description": "`auto` and `none` always. `required` or a named function only on "
-                           "models whose `capabilities.forced_tool_choice` is true; elsewhere "
-                           "400 `unsupported_parameter` (send `auto`)."}
 
 
 # -- responses -----------------------------------------------------------------------------------
@@ -356,17 +214,17 @@ def _usage():
 def _completion(kind, message_key, message_required):
     message = {"type": "object", "required": message_required, "properties": {
         "role": {"const": "assistant"}, "content": {"type": ["string", "null"]},
-        "tool_calls": {"type": "array", "items": _ref("ToolCall")}}}
+        "tool_calls": {"type": "array", "items": ref("ToolCall")}}}
     choice = {"type": "object", "required": ["index", message_key, "finish_reason"],
               "properties": {"index": {"type": "integer"}, message_key: message,
                              "finish_reason": {"type": ["string", "null"], "description":
                                                "stop, length (max_tokens) or tool_calls."}}}
     required = ["id", "object", "created", "model", "choices"]
-    usage = _ref("Usage")
+    usage = ref("Usage")
     if kind == "chat.completion":
         required.append("usage")
     else:
-        usage = _nullable(usage)
+        usage = nullable(usage)
     return {"type": "object", "required": required, "properties": {
         "id": {"type": "string"}, "object": {"const": kind}, "created": {"type": "integer"},
         "model": {"type": "string"}, "choices": {"type": "array", "items": choice},
@@ -379,7 +237,7 @@ def _account_schemas():
     when = {"type": ["string", "null"], "format": "date-time"}
     return {
         "ModelList": {"type": "object", "required": ["object", "data"], "properties": {
-            "object": {"const": "list"}, "data": {"type": "array", "items": _ref("Model")}}},
+            "object": {"const": "list"}, "data": {"type": "array", "items": ref("Model")}}},
         "Model": _model(),
         "Credits": {"type": "object", "required": ["object", "balance_usd", "held_usd",
                                                    "available_usd", "in_flight"],
@@ -425,6 +283,3 @@ def _model():
                     "input": DECIMAL_USD, "cached_input": DECIMAL_USD, "output": DECIMAL_USD,
                     "unit": {"const": "USD per 1M tokens"}}}}}
 
-
-def _ref(name):
-    return {"$ref": REF + name}

@@ -1,6 +1,7 @@
 """The OpenAPI paths and schemas of keys and activity (``GET /v1/key``, ``GET /v1/keys``,
 ``GET /v1/activity``), merged into the document by :func:`gateway.openapi.build_document`."""
-from .openapi import DECIMAL_USD, _errors, _get, _ref
+from .openapi import DECIMAL_USD, _errors, _get
+from .openapi_request import ref
 
 
 def key_paths():
@@ -52,7 +53,7 @@ def key_schemas():
     return {
         "Key": {"type": "object", "required": list(key_fields), "properties": key_fields},
         "KeyList": {"type": "object", "required": ["object", "data"], "properties": {
-            "object": {"const": "list"}, "data": {"type": "array", "items": _ref("Key")}}},
+            "object": {"const": "list"}, "data": {"type": "array", "items": ref("Key")}}},
         "Activity": {"type": "object", "required": ["object", "start_date", "end_date", "data"],
                      "properties": {"object": {"const": "activity"},
                                     "start_date": {"type": "string", "format": "date"},
