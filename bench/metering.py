@@ -145,7 +145,7 @@ def create_database(name):
     from alembic import command
 
     from gateway import auth
-    from gateway.cli import alembic_config
+    from gateway.cli_db import alembic_config
 
     admin = sa.create_engine(PG_SERVER + "/postgres", isolation_level="AUTOCOMMIT")
     with admin.connect() as conn:

@@ -9,7 +9,6 @@ named ``7`` and the org with id 7 are never confused. Names cannot begin with ``
 import re
 import sys
 from decimal import Decimal
-from pathlib import Path
 
 import click
 import sqlalchemy as sa
@@ -18,31 +17,15 @@ from . import auth, ops
 from .account import org_credits
 from .catalog import load_catalog
 from .cli_catalog import catalog
+from .cli_db import db, pass_ctx
+from .cli_keys import LIST_COLUMNS, limit_changes, limit_options, list_line, parse_limit_usd
 from .config import Config
 from .db import create_engine, is_postgres, storable_text, utcnow
 from .ledger import Ledger
 from .ledger.operator import GRANT
-from .cli_keys import LIST_COLUMNS, limit_changes, limit_options, list_line, parse_limit_usd
 from .keys import org_keys, set_limits
 from .models import api_keys, credit_balances, orgs
 from .reconcile import format_table, reconcile
-
-MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
-
-
-class Context:
-    def __init__(self):
-        self.config = Config.from_mapping()
-        self._engine = None
-
-    @property
-    def engine(self):
-        if self._engine is None:
-            self._engine = create_engine(self.config)
-        return self._engine
-
-
-pass_ctx = click.make_pass_decorator(Context, ensure=True)
 
 
 class KilnGroup(click.Group):
@@ -66,48 +49,6 @@ def _safe_url(url):
 @click.group(cls=KilnGroup)
 def main():
     """Kiln gateway administration."""
-
-
-# -- db ----------------------------------------------------------------------------------------
-
-@main.group()
-def db():
-    """Database migrations (alembic)."""
-
-
-def alembic_config(url):
-    """Return an alembic Config for ``url`` and this package's migrations."""
-    from alembic.config import Config as AlembicConfig
-    cfg = AlembicConfig()
-    cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
-    cfg.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
-    return cfg
-
-
-@db.command("upgrade")
-@click.argument("revision", default="head")
-@pass_ctx
-def db_upgrade(ctx, revision):
-    """Apply migrations up to REVISION (default head)."""
-    from alembic import command
-    command.upgrade(alembic_config(ctx.config.database_url), revision)
-
-
-@db.command("downgrade")
-@click.argument("revision")
-@pass_ctx
-def db_downgrade(ctx, revision):
-    """Revert migrations down to REVISION (``base`` for none)."""
-    from alembic import command
-    command.downgrade(alembic_config(ctx.config.database_url), revision)
-
-
-@db.command("check")
-@pass_ctx
-def db_check(ctx):
-    """Fail if the tables differ from the models (``alembic check``)."""
-    from alembic import command
-    command.check(alembic_config(ctx.config.database_url))
 
 
 # -- orgs and keys -------------------------------------------------------------------------------
@@ -410,6 +351,7 @@ def sweep(ctx):
     click.echo(f"closed {closed}")
 
 
+main.add_command(db)
 main.add_command(catalog)
 
 if __name__ == "__main__":

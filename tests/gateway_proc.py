@@ -107,7 +107,7 @@ def migrate(url):
     """Build the schema with the project's alembic migrations."""
     from alembic import command
 
-    from gateway.cli import alembic_config
+    from gateway.cli_db import alembic_config
     command.upgrade(alembic_config(url), "head")
 
 
