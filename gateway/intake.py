@@ -11,7 +11,7 @@ measures it):
   the interpreter hands it to a waiting thread after its switch interval, which is shortened
   while a parse runs, so the event loop (which gives the GIL up at every I/O wait and then has
   to take it back) loses at most a fraction of a millisecond per wait instead of 5 ms
-  (Python's ``sys.setswitchinterval``; the "convoy effect", CPython issue 7946). The parse runs
+  (Python's ``sys.setswitchinterval``; the "convoy effect", bpo-7946). The parse runs
   with Python hooks (the C parser alone would hold the GIL from start to end) and with the
   garbage collector paused (a collection over a large body's objects holds it too);
 - the bytes of large bodies one worker holds at once and takes in per second are capped

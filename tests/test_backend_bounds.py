@@ -1,5 +1,5 @@
-"""Bounded memory per stream and backend answers Kiln must understand (issue 13 item 4; issue 12
-items 6 and 7), through gunicorn with the scripted fake upstream.
+"""Bounded memory per stream and backend answers Kiln must understand (README "Streaming" and
+the backend error table), through gunicorn with the scripted fake upstream.
 
 A client that stops reading stops Kiln reading the backend (the fake's writes block) and is hung
 up on after the idle timeout, billed for what was generated; an event or a reply over its limit
@@ -116,7 +116,7 @@ def test_the_splitter_is_linear_in_the_size_of_a_long_event():
     assert large / small < 24, (small, large)
 
 
-# -- what a backend answers (issue 12, items 6 and 7) ---------------------------------------
+# -- what a backend answers: not an event stream, compressed ---------------------------------
 
 @pytest.mark.parametrize("content_type,reply", [
     ("application/json", json.dumps({"error": {"message": "model overloaded"}}).encode()),

@@ -1,4 +1,5 @@
-"""Bounded work before admission (issue 13, item 3), through gunicorn and the shipped nginx site.
+"""Bounded work before admission (deploy/kiln.env.example, "bounded work before admission"),
+through gunicorn and the shipped nginx site.
 
 A body trickled too slowly is cut (408 from the gateway; nginx's own timeouts in front of it);
 large bodies take a share of a per-worker budget and get a fast 503 with ``Retry-After`` when

@@ -1,5 +1,5 @@
 """Every message shape of the current OpenAI chat API, sent by the official ``openai`` SDK through
-gunicorn, and what each backend family receives (issue 12, items 1, 3 and 4).
+gunicorn, and what each backend family receives (README "API", docs/PARAMETERS.md).
 
 One model per backend family, all on the scripted fake upstream, which records each body. Then
 the body's numbers and nesting (finite, in range, bounded depth: a 400 naming the ``param``), and
