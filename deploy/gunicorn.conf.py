@@ -96,18 +96,34 @@ def child_exit(server, worker):
 
 
 def post_worker_init(worker):
-    """Keep expected request errors out of stderr (runs in each worker, after the app loaded).
+    """Keep expected request errors out of stderr, and end running generations before a graceful
+    stop's deadline (runs in each worker, after the app loaded).
 
     gevent prints every exception a greenlet dies with, message and traceback, to stderr. The
     gateway's upstream greenlets end with a GatewayError (502, 400, ...) as an ordinary result
     that the view collects and answers with; printing it would flood the journal and could
     copy a backend's error text, which may quote the prompt, into it.
     """
+    import gevent
     from gevent import get_hub
 
     from gateway.errors import GatewayError
     hub = get_hub()
     hub.NOT_ERROR = tuple(hub.NOT_ERROR) + (GatewayError,)
+    gevent.spawn(_end_generations_before_the_kill, worker)
+
+
+def _end_generations_before_the_kill(worker):
+    """Once a graceful stop begins (TERM, a reload, max_requests), wait until just before
+    graceful_timeout, then end the streams still running: told, billed and settled, where the
+    master's kill at the timeout would leave them to the sweeper with the progress last recorded."""
+    import gevent
+
+    from gateway.ops import end_generations, shutdown_deadline_s
+    while worker.alive:
+        gevent.sleep(0.25)
+    gevent.sleep(shutdown_deadline_s(worker.cfg.graceful_timeout))
+    end_generations(worker.wsgi)
 
 
 def worker_exit(server, worker):

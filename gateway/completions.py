@@ -12,7 +12,9 @@ import json
 import logging
 import secrets
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import gevent
 
 from flask import Response
 
@@ -40,6 +42,7 @@ class Services:
     catalog: dict
     metrics: object
     ledger: object
+    live: set = field(default_factory=set)  # this worker's generations, until closed
 
 
 def respond(services, principal, chat, environ):
@@ -118,6 +121,8 @@ class Generation:
         services.metrics.admission.observe(time.monotonic() - t0)
         services.metrics.in_flight.inc()
         self.lease = services.ledger.track(self.gid, self.progress)
+        self.greenlet = gevent.getcurrent()
+        services.live.add(self)
         self.watch = ClientWatch(environ.get("gunicorn.socket")) if chat.stream else None
         self.call = self.pump = None
         self.accepted = False   # the backend answered: what it produced is billed
@@ -204,10 +209,20 @@ class Generation:
     def close(self):
         """Stop watching the client, then :meth:`abort`; a reply read to its end keeps its
         connection for the next request instead. Safe to call twice."""
+        self.services.live.discard(self)
         if self.watch is not None:
             self.watch.stop()
         self.abort()
         self.route.release()
+
+    def interrupt(self, reason):
+        """End this generation early with ``reason`` (an exception; see
+        :func:`gateway.ops.end_generations`): a relaying stream ends with an error event, anything
+        else gets it raised where it waits. It is settled as any generation is."""
+        if self.pump is not None:
+            self.pump.stop(reason=reason)
+        else:
+            self.greenlet.kill(reason, block=False)
 
     # -- metering ------------------------------------------------------------------------------
 

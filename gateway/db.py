@@ -31,6 +31,7 @@ def create_engine(config, ledger=False):
     if url.startswith("sqlite"):
         engine = sa.create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
         sa.event.listen(engine, "connect", _sqlite_pragmas)
+        sa.event.listen(engine, "begin", _sqlite_begin_immediate)
         return engine
     options = {"isolation_level": "AUTOCOMMIT"} if ledger else {}
     return sa.create_engine(
@@ -52,11 +53,21 @@ def create_engine(config, ledger=False):
 
 
 def _sqlite_pragmas(dbapi_conn, _record):
+    # pysqlite begins a transaction only before a write, so a read-then-write (a settlement,
+    # a sweep, an admission) could act on rows another process changed meanwhile: two
+    # workers' sweepers both closed one generation. Transactions begin here instead, with
+    # BEGIN IMMEDIATE, which takes the database's write lock up front (SQLAlchemy's documented
+    # recipe for pysqlite, "Serializable isolation / Savepoints / Transactional DDL").
+    dbapi_conn.isolation_level = None
     cur = dbapi_conn.cursor()
     cur.execute("PRAGMA journal_mode=WAL")
     cur.execute("PRAGMA foreign_keys=ON")
     cur.execute("PRAGMA busy_timeout=30000")
     cur.close()
+
+
+def _sqlite_begin_immediate(conn):
+    conn.exec_driver_sql("BEGIN IMMEDIATE")
 
 
 def utcnow():

@@ -118,6 +118,17 @@ class ServiceUnavailable(GatewayError):
     code = "service_unavailable"
 
 
+class ShuttingDown(ServiceUnavailable):
+    """The worker is stopping (graceful stop or reload) and its deadline is near: generations
+    still running are ended, told and settled, rather than killed unsettled."""
+
+    code = "server_shutting_down"
+
+    def __init__(self):
+        super().__init__("The gateway is restarting and ended this generation early; what was "
+                         "generated is billed. Retry the request.")
+
+
 def json_error(status, envelope, headers=None):
     """Return a JSON response with ``envelope`` and ``status``."""
     return Response(json.dumps(envelope), status=status, mimetype="application/json",

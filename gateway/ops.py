@@ -12,7 +12,7 @@ import sqlalchemy as sa
 from flask import Blueprint, current_app, jsonify
 
 from .db import utcnow
-from .errors import ServiceUnavailable
+from .errors import ServiceUnavailable, ShuttingDown
 from .models import maintenance
 
 log = logging.getLogger(__name__)
@@ -104,3 +104,22 @@ def drain(app):
         log.error("settlements still queued at exit; their leases expire and the sweeper "
                   "bills the progress they recorded")
     return done
+
+
+def shutdown_deadline_s(graceful_timeout_s):
+    """Return how long after a graceful stop begins a worker ends its running generations:
+    a few seconds before gunicorn's ``graceful_timeout``, when the master kills it, so that
+    their settlements commit first (at least half the timeout)."""
+    return max(graceful_timeout_s - 3.0, graceful_timeout_s / 2)
+
+
+def end_generations(app):
+    """End every generation still running in this worker with :class:`ShuttingDown`: each is
+    told (an SSE error event, or a 503), billed what was generated and settled, instead of being
+    killed unsettled at the graceful timeout. Return how many were ended."""
+    live = list(app.extensions["kiln"].live)
+    if live:
+        log.warning("graceful timeout near: ending %d running generation(s)", len(live))
+    for gen in live:
+        gen.interrupt(ShuttingDown())
+    return len(live)

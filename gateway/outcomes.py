@@ -9,8 +9,8 @@ import logging
 from dataclasses import dataclass
 from enum import Enum
 
-from .errors import (GatewayError, ServiceUnavailable, UpstreamError, UpstreamRejected,
-                     UpstreamTimeout)
+from .errors import (GatewayError, ServiceUnavailable, ShuttingDown, UpstreamError,
+                     UpstreamRejected, UpstreamTimeout)
 from .relay import ClientGone, StreamFailed
 from .sse import DONE, frame
 from .upstream import IDLE_TIMEOUT
@@ -54,6 +54,7 @@ TABLE = (
     (ClientGone, Status.CLIENT_CANCELLED, CLIENT_CLOSED, None),
     (GeneratorExit, Status.CLIENT_CANCELLED, CLIENT_CLOSED, None),
     (LeaseLost, Status.ABANDONED, 500, "lease_lost"),
+    (ShuttingDown, Status.ERROR, 503, "server_shutting_down"),
     (UpstreamTimeout, Status.TIMEOUT, 502, None),  # its code names the timeout that fired
     (UpstreamRejected, Status.REJECTED, 400, "upstream_rejected"),
     (ServiceUnavailable, Status.UPSTREAM_ERROR, 503, None),

@@ -274,6 +274,40 @@ def test_a_late_real_settlement_corrects_the_sweepers_guess(ledger_db):
     assert _event(engine, gid) == ("completed", 13_200, 12, 40)
 
 
+def test_two_sweepers_at_once_close_each_generation_once(ledger_db):
+    """Every worker runs a sweeper: two sweeping the same expired leases at the same moment
+    close each generation once (one debit, one row of activity), on both dialects."""
+    from gateway.db import create_engine
+    from gateway.ledger import Ledger
+    ledger, engine, org, key_id = ledger_db
+    gids = [_admit(ledger, org, key_id) for _ in range(20)]
+    with engine.begin() as conn:
+        conn.execute(sa.text("UPDATE usage_events SET prompt_tokens = 10 WHERE org_id = :o"),
+                     {"o": org.id})
+        conn.execute(sa.text("UPDATE in_flight SET expires_at = :t"),
+                     {"t": "2000-01-01 00:00:00+00"})
+    other = Ledger(create_engine(ledger.config, ledger=True), ledger.config, CATALOG_PRICES)
+    start, closed = threading.Barrier(2), []
+
+    def sweep(one):
+        start.wait()
+        closed.append(one.sweep(org_id=org.id))
+
+    threads = [threading.Thread(target=sweep, args=(one,)) for one in (ledger, other)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    other.store.engine.dispose()
+    assert sum(closed) == len(gids)
+    with engine.connect() as conn:  # 10 prompt tokens at 0.10 USD per 1M: 1,000 nano-dollars
+        assert conn.execute(sa.text("SELECT balance_nanos, held_nanos, in_flight FROM "
+                                    "credit_balances WHERE org_id = :o"), {"o": org.id}
+                            ).one() == (10**9 - 20 * 1_000, 0, 0)
+        assert conn.execute(sa.text("SELECT requests, errors, cost_nanos FROM usage_daily "
+                                    "WHERE org_id = :o"), {"o": org.id}).one() == (20, 20, 20_000)
+
+
 def test_an_admission_lost_in_a_crash_is_written_by_its_settlement(ledger_db):
     ledger, engine, org, key_id = ledger_db
     gid = "gen-" + uuid.uuid4().hex[:24]  # never admitted: the database lost it
