@@ -118,3 +118,10 @@ def test_plain_sql_grants_move_the_balance_and_never_below_the_holds(empty_db):
         view = conn.execute(sa.text("SELECT balance_usd, available_usd FROM org_credits "
                                     "WHERE org_id = :o"), {"o": org_id}).one()
     assert (Decimal(str(view.balance_usd)), Decimal(str(view.available_usd))) == (2, 0)
+    with engine.begin() as conn:
+        _grant(conn, org_id, "2.998511501")
+    with engine.connect() as conn:  # exact on both dialects (SQLite divides integers as such)
+        view = conn.execute(sa.text("SELECT balance_usd, held_usd, available_usd "
+                                    "FROM org_credits WHERE org_id = :o"), {"o": org_id}).one()
+    assert tuple(Decimal(str(v)) for v in view) == (Decimal("4.998511501"), 2,
+                                                    Decimal("2.998511501"))
