@@ -85,6 +85,19 @@ wait_http() {  # URL SECONDS NAME PID
   exit 1
 }
 
+in_use() {  # HOST:PORT: something accepts connections there already
+  "$VENV/bin/python" -c "import socket, sys; host, port = sys.argv[1].rsplit(':', 1)
+sys.exit(socket.socket().connect_ex((host, int(port))) != 0)" "$1"
+}
+# Another demo (or anything else) on a port would answer the readiness checks below in place
+# of this run's servers: refuse before starting anything.
+for addr in "127.0.0.1:$MODEL_PORT" "$KILN_BIND"; do
+  if in_use "$addr"; then
+    say "$addr is already in use (another make run?): stop it, or set KILN_MODEL_PORT / KILN_BIND" >&2
+    exit 1
+  fi
+done
+
 say "starting the model server (SmolLM2-135M on llama.cpp) on 127.0.0.1:$MODEL_PORT ..."
 "${SERVER[@]}" scripts/model-server.sh start "$VENV" "$MODEL_PORT" >"$STATE/model-server.log" 2>&1 &
 pids+=($!)

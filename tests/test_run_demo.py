@@ -185,14 +185,20 @@ def test_kill_of_the_script_still_stops_both_servers(demo):
     demo.assert_nothing_left()
 
 
-def test_a_gateway_that_cannot_start_stops_the_model_server(demo):
-    with socket.socket() as taken:  # the gateway's port is taken: gunicorn cannot bind it
-        taken.bind(("127.0.0.1", demo.gateway_port))
+@pytest.mark.parametrize("which", ["gateway", "model server"])
+def test_a_port_in_use_is_refused_before_anything_starts(demo, which):
+    """A second demo (or anything else) on one of the ports would answer the readiness checks
+    in place of this run's servers and print a key that does not work: refused up front."""
+    port = demo.gateway_port if which == "gateway" else demo.model_port
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", port))
         taken.listen()
         demo.start()
-        assert demo.wait_end(timeout_s=UP_TIMEOUT_S) != 0
-        assert "the gateway exited" in demo.output()
-        demo.assert_nothing_left(ports=[demo.model_port])
+        assert demo.wait_end(timeout_s=60) == 1
+        assert f"127.0.0.1:{port} is already in use" in demo.output()
+        assert "starting the" not in demo.output()  # neither server was started
+        other = demo.model_port if which == "gateway" else demo.gateway_port
+        assert port_free(other)
 
 
 def test_a_server_that_dies_takes_the_demo_down_in_order(demo):
