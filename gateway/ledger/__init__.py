@@ -225,7 +225,8 @@ class Ledger:
         return self._writer.wait_idle(timeout_s)
 
     def renew_now(self):
-        """Renew this worker's live leases now (they are renewed every third of the TTL)."""
+        """Renew this worker's live leases now (they are renewed every third of the TTL, at
+        most 5 s apart)."""
         self._renewer.renew_now()
 
     # -- sweeper -----------------------------------------------------------------------------
