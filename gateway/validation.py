@@ -103,6 +103,9 @@ def parse_json_body(raw, content_type, max_body_bytes, yielding=False):
     except RecursionError as err:
         raise _too_deep(raw) from err
     except (ValueError, UnicodeDecodeError) as err:
+        if "integer string conversion" in str(err):  # Python's bound on integer digits
+            raise InvalidRequest("Request body holds an integer too long to be a number Kiln "
+                                 "accepts.", code="invalid_value") from err
         raise InvalidRequest(f"Request body is not valid JSON: {err}", code="invalid_json") from err
     if not isinstance(body, dict):
         raise InvalidRequest("Request body must be a JSON object.", code="invalid_json")

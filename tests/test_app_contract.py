@@ -77,3 +77,15 @@ def test_credits_in_process(kiln, org):
     r = kiln[0].test_client().get("/v1/credits", headers=org.headers)
     assert r.status_code == 200
     assert (r.get_json()["balance_usd"], r.get_json()["in_flight"]) == ("10", 0)
+
+
+def test_an_integer_too_long_for_python_is_a_400_that_names_no_internals(kiln, org):
+    app, engine = kiln
+    raw = b'{"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "seed": ' \
+        + b"9" * 5000 + b"}"
+    r = app.test_client().post("/v1/chat/completions", data=raw, headers=org.headers,
+                               content_type="application/json")
+    error = r.get_json()["error"]
+    assert (r.status_code, error["code"]) == (400, "invalid_value")
+    assert "sys." not in error["message"] and "digits" not in error["message"]
+    assert trace(engine, org.id) == (0, 0, START_NANOS, 0, 0)
