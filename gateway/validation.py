@@ -243,8 +243,9 @@ def _check_fits(entry, body_bytes):
     if body_bytes > entry.context_window * MAX_BYTES_PER_TOKEN:
         # Certain to overflow the context window: refused here rather than after the model
         # server has spent its time tokenizing it (a single-slot server stalls for everyone).
-        raise InvalidRequest(f"The request ({body_bytes} bytes) cannot fit model "
-                             f"'{entry.id}''s context window of {entry.context_window} tokens.",
+        raise InvalidRequest(f"The request ({body_bytes} bytes) cannot fit the "
+                             f"context window of model '{entry.id}' ({entry.context_window} "
+                             f"tokens).",
                              param="messages", code="context_length_exceeded")
 
 
