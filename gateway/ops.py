@@ -67,9 +67,11 @@ def check_maintenance():
     services = current_app.extensions["kiln"]
     cache = current_app.extensions["kiln.maintenance"]
     now = time.monotonic()
-    if now >= cache.get("until", 0):
-        cache["state"] = read_maintenance(services.engine)
+    if "state" not in cache or now >= cache["until"]:
+        # One refresh at a time: the requests arriving meanwhile keep the last state, instead
+        # of each reading the row (a burst of reads every poll under load).
         cache["until"] = now + services.config.maintenance_poll_s
+        cache["state"] = read_maintenance(services.engine)
     enabled, retry_after_s, message = cache["state"]
     if enabled:
         raise ServiceUnavailable(message or "Kiln is in maintenance; retry after the delay in "
