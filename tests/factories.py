@@ -3,7 +3,9 @@
 Expected costs here are literal arithmetic on the catalog's prices, not Kiln's pricing
 functions, so that a test of Kiln's money is not checked against Kiln's own math.
 """
+import threading
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from decimal import Decimal
 from pathlib import Path
 
@@ -72,3 +74,14 @@ def sqlite_app(directory, catalog_toml, **settings):
     config = {"database_url": url, "models": str(directory / "models.toml"),
               "sweep_interval_s": 0, **settings}
     return create_app(config), sa.create_engine(url)
+
+
+def concurrently(n, fn, timeout_s=120):
+    """Run ``fn(i)`` for i in range(n) in n threads released together; return the results."""
+    barrier = threading.Barrier(n)
+
+    def run(i):
+        barrier.wait(timeout=timeout_s)
+        return fn(i)
+    with ThreadPoolExecutor(max_workers=n) as pool:
+        return list(pool.map(run, range(n), timeout=timeout_s))

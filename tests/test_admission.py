@@ -21,7 +21,7 @@ import pytest
 import requests
 import sqlalchemy as sa
 
-from factories import MESSAGES, fake_model_nanos
+from factories import MESSAGES, concurrently, fake_model_nanos
 from fake_upstream import (Close, Gate, Hang, Reset, Send, Sleep, Status, chat_chunk,
                            chat_completion, default_script, error_reply, json_reply, sse_event)
 from gateway.billing import to_nanos
@@ -36,17 +36,6 @@ FINAL = {"completed", "client_cancelled", "rejected", "upstream_error", "timeout
 
 
 # -- helpers ---------------------------------------------------------------------------------
-
-def concurrently(n, fn, timeout_s=120):
-    """Run ``fn(i)`` for i in range(n) in n threads released together; return the results."""
-    barrier = threading.Barrier(n)
-
-    def run(i):
-        barrier.wait(timeout=timeout_s)
-        return fn(i)
-    with ThreadPoolExecutor(max_workers=n) as pool:
-        return list(pool.map(run, range(n), timeout=timeout_s))
-
 
 def post(base_url, org, body, stream=False, timeout=60):
     """POST a chat request; ``body`` is a dict, or bytes sent as they are."""

@@ -10,9 +10,7 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
@@ -20,6 +18,7 @@ import pytest
 import requests
 import sqlalchemy as sa
 
+from factories import concurrently
 from fake_upstream import Hang, Status
 from gateway.billing import Usage, hold_nanos
 from gateway.catalog import load_catalog
@@ -35,17 +34,6 @@ KILN = str(Path(sys.executable).with_name("kiln"))
 BODY = {"model": "fake-model", "messages": [{"role": "user", "content": "Say hello"}],
         "stream": True}
 SSE_HEAD = Status(200, {"Content-Type": "text/event-stream"})
-
-
-def concurrently(n, fn, timeout_s=120):
-    """Run ``fn(i)`` for i in range(n) in n threads released together; return the results."""
-    barrier = threading.Barrier(n)
-
-    def run(i):
-        barrier.wait(timeout=timeout_s)
-        return fn(i)
-    with ThreadPoolExecutor(max_workers=n) as pool:
-        return list(pool.map(run, range(n), timeout=timeout_s))
 
 
 def post(base_url, org, body=BODY, stream=True):
