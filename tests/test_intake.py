@@ -169,11 +169,17 @@ def test_large_bodies_beyond_the_parse_budget_get_a_fast_503(start_gateway, fake
     gw = start_gateway(workers=1, parse_budget_bytes=400_000, parse_wait_s=0.2,
                        body_timeout_s=120)
     holder = SlowClient(gw.port, org.key, length=350_000)  # holds 350 kB of the 400 kB
+    # Until the worker has read the holder's head, a large body may still be served; the
+    # probes go as a third org so that each one served is billed there, and counted.
+    prober = make_org(engine, f"prober-{uuid.uuid4().hex[:8]}")
+    served = []
 
     def refused():
         r = requests.post(gw.base_url + "/v1/chat/completions", data=large_body(),
-                          headers={**org.headers, "Content-Type": "application/json"},
+                          headers={**prober.headers, "Content-Type": "application/json"},
                           timeout=30)
+        if r.status_code == 200:
+            served.append(r)
         return [r] if r.status_code == 503 else None  # a 503 Response is falsy
     busy, = wait_until(refused, timeout_s=60, interval_s=0.1)
     assert busy.headers["Retry-After"] == "1"
@@ -187,6 +193,10 @@ def test_large_bodies_beyond_the_parse_budget_get_a_fast_503(start_gateway, fake
         headers={**org_b.headers, "Content-Type": "application/json"}).status_code == 200,
         timeout_s=60, interval_s=0.2)
     assert_untouched(engine, org)
+    with engine.connect() as conn:
+        billed = conn.execute(sa.text("SELECT count(*) FROM usage_events WHERE org_id = :o"),
+                              {"o": prober.id}).scalar_one()
+    assert billed == len(served)  # a refused probe is never billed
 
 
 # -- unknown keys ---------------------------------------------------------------------------
