@@ -9,7 +9,7 @@ from flask import Blueprint, after_this_request, current_app, g, request
 from . import completions, intake, ops
 from .auth import require_key
 from .errors import Forbidden, InvalidRequest, PayloadTooLarge, ServiceUnavailable
-from .validation import parse_json_body, refuse_unfit_before_parsing, validate_chat
+from .validation import parse_json_body, validate_chat
 
 bp = Blueprint("chat", __name__)
 
@@ -67,8 +67,7 @@ def _hang_up_after(response, sock):
 
 
 def _receive(config, length):
-    raw = intake.read_body(lambda: request.stream.read(config.max_body_bytes + 1)
-                           if length is None else request.get_data(), config.body_timeout_s)
+    raw = intake.read_body(request.stream, length, config.max_body_bytes, config.body_timeout_s)
     if length is not None and len(raw) < length:
         # The client went away mid-body: whatever parses from the part received was not sent.
         raise InvalidRequest(f"Request body ended after {len(raw)} of the {length} bytes "
@@ -77,7 +76,10 @@ def _receive(config, length):
 
 
 def _parse(services, budget, raw):
-    if intake.INLINE_BYTES <= len(raw) <= services.config.max_body_bytes:
-        refuse_unfit_before_parsing(raw, services.catalog)  # cheaper than any parse
-    return intake.parse(budget, raw, parse_json_body, request.content_type,
-                        services.config.max_body_bytes)
+    """Parse a small body inline; a large one in the worker's child process, which checks it
+    against the whole contract first (:mod:`gateway.body_process`)."""
+    if len(raw) < intake.INLINE_BYTES or len(raw) > services.config.max_body_bytes:
+        return parse_json_body(raw, request.content_type, services.config.max_body_bytes)
+    checker = current_app.extensions["kiln.body_process"]
+    checker.start()
+    return budget.run(checker.check, raw, request.content_type or "")

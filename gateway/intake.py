@@ -7,39 +7,31 @@ measures it):
 - a body must arrive within ``KILN_BODY_TIMEOUT_S`` (else 408, and gunicorn closes the
   connection unless the rest arrives within its keepalive): a client trickling its body holds
   no connection much beyond that;
-- a large body is parsed off the event loop, in a thread of its own. JSON parsing holds the GIL;
-  the interpreter hands it to a waiting thread after its switch interval, which is shortened
-  while a parse runs, so the event loop (which gives the GIL up at every I/O wait and then has
-  to take it back) loses at most a fraction of a millisecond per wait instead of 5 ms
-  (Python's ``sys.setswitchinterval``; the "convoy effect", bpo-7946). The parse runs
-  with Python hooks (the C parser alone would hold the GIL from start to end) and with the
-  garbage collector paused (a collection over a large body's objects holds it too);
+- a body is read in slices, the worker's other requests served in between, and a large one
+  is parsed and checked against the contract in the worker's child process
+  (:mod:`gateway.body_process`): parsing holds the interpreter throughout, so a body the
+  contract refuses never becomes Python objects in the worker;
 - the bytes of large bodies one worker holds at once and takes in per second are capped
-  (``KILN_PARSE_BUDGET_BYTES``), and so is the share of its time spent parsing them
-  (:data:`PARSE_SHARE`): a large body takes its size from that budget before its first byte
-  is read, then waits for its turn to be parsed, and gets a fast 503 with ``Retry-After``
-  (its connection closed, the rest of it unread) when either takes longer than
+  (``KILN_PARSE_BUDGET_BYTES``), and so is the share of time its child spends parsing them
+  (:data:`PARSE_SHARE`, of one core): a large body takes its size from that budget before its
+  first byte is read, then waits for its turn to be parsed, and gets a fast 503 with
+  ``Retry-After`` (its connection closed, the rest of it unread) when either takes longer than
   ``KILN_PARSE_WAIT_S``, instead of queueing memory or CPU.
 
 Small bodies (the usual chat request) take no share of the budget and are parsed inline.
 """
-import functools
-import gc
 import socket
-import sys
 import time
 
 import gevent
 from gevent.event import Event
-from gevent.threadpool import ThreadPool
 
 from .errors import GatewayError, ServiceUnavailable
 
-# Below this, a body is read and parsed inline: a thread hand-off costs more than the parse.
+# Below this, a body is parsed inline: the hand-off to the child costs more than the parse.
 INLINE_BYTES = 256 * 1024
-PARSE_THREADS = 1  # parses take turns: more threads would only share the GIL with the loop
-PARSE_SHARE = 0.25  # of a worker's time, at most, spent parsing large bodies
-PARSE_SWITCH_INTERVAL_S = 0.0002
+READ_SLICE = 256 * 1024  # bytes read before the worker's other requests get a turn
+PARSE_SHARE = 0.25  # of one core's time, at most, spent parsing one worker's large bodies
 RETRY_AFTER_S = "1"
 
 
@@ -61,7 +53,7 @@ class ParseBudget:
       a few milliseconds per MiB, so a client sending large bodies without pause cannot keep
       the worker busy reading them).
     - Large bodies are parsed one at a time, and parsing takes at most :data:`PARSE_SHARE` of
-      the worker's time: after a parse of ``t`` seconds the next one waits ``t / PARSE_SHARE - t``.
+      a core's time: after a parse of ``t`` seconds the next one waits ``t / PARSE_SHARE - t``.
 
     Whatever cannot be had within ``wait_s`` is a fast 503 with ``Retry-After``.
 
@@ -74,10 +66,8 @@ class ParseBudget:
         self.wait_s = wait_s
         self._tokens, self._refilled_at = float(capacity), time.monotonic()
         self._changed = Event()
-        self._pool = None
         self._parsing = False
         self._next_parse_at = 0.0
-        self._interval = sys.getswitchinterval()
 
     def acquire(self, nbytes):
         """Take ``nbytes`` (at most the capacity) to hold and to take in; return the amount
@@ -114,25 +104,16 @@ class ParseBudget:
             self._changed.wait(min(left, max(0.001, retry_in_s())))
 
     def run(self, func, *args):
-        """Run ``func(*args)`` in the budget's own thread when it is this call's turn; return
-        its result or raise its exception (the calling greenlet waits, the event loop does not).
+        """Return ``func(*args)`` (or raise its exception) once it is this call's turn to parse.
 
         :raises ServiceUnavailable: no turn within ``wait_s``.
         """
         self._wait_until(lambda: not self._parsing and time.monotonic() >= self._next_parse_at,
                          lambda: self._next_parse_at - time.monotonic())
-        if self._pool is None:
-            self._pool = ThreadPool(PARSE_THREADS)
         self._parsing, started = True, time.monotonic()
-        sys.setswitchinterval(PARSE_SWITCH_INTERVAL_S)
-        collecting = gc.isenabled()
-        gc.disable()  # a collection holds the GIL throughout; parsed JSON holds no cycles
         try:
-            return self._pool.apply(func, args)
+            return func(*args)
         finally:
-            if collecting:
-                gc.enable()
-            sys.setswitchinterval(self._interval)
             took = time.monotonic() - started
             self._parsing, self._next_parse_at = False, started + took / PARSE_SHARE
             self._changed.set()
@@ -149,21 +130,25 @@ def hang_up(sock):
         pass
 
 
-def read_body(read, timeout_s):
-    """Return ``read()``, the request body, if it arrives within ``timeout_s``.
+def read_body(stream, length, limit, timeout_s):
+    """Return the request body if it arrives within ``timeout_s``: ``length`` bytes (its
+    Content-Length) or, when that is None, up to ``limit + 1`` bytes. It is read in slices of
+    :data:`READ_SLICE`, the worker's other requests served in between (a socket with data
+    waiting does not give the event loop a turn by itself).
 
     :raises BodyTimeout: it did not.
     """
+    want = limit + 1 if length is None else length
+    parts, got = [], 0
     try:
         with gevent.Timeout(timeout_s):
-            return read()
+            while got < want:
+                part = stream.read(min(READ_SLICE, want - got))
+                if not part:
+                    break
+                parts.append(part)
+                got += len(part)
+                gevent.sleep(0)
     except gevent.Timeout:
         raise BodyTimeout(f"The request body did not arrive within {timeout_s:g} s.") from None
-
-
-def parse(budget, raw, parse_func, *args):
-    """Parse ``raw`` with ``parse_func(raw, *args)``: inline when small, else in the budget's
-    thread, as ``parse_func(raw, *args, yielding=True)`` (it gives the GIL up as it goes)."""
-    if len(raw) < INLINE_BYTES:
-        return parse_func(raw, *args)
-    return budget.run(functools.partial(parse_func, yielding=True), raw, *args)
+    return parts[0] if len(parts) == 1 else b"".join(parts)

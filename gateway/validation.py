@@ -74,16 +74,13 @@ class ChatRequest:
                             self.has_images)
 
 
-def parse_json_body(raw, content_type, max_body_bytes, yielding=False):
+def parse_json_body(raw, content_type, max_body_bytes):
     """Parse the raw request body into a dict.
 
     Numbers must be finite and in range anywhere in the body (``1e400``, ``NaN`` and integers
     beyond 64 bits are refused: RFC 8259 has no NaN or Infinity, and a model server could not
     read them), and nesting is bounded (:data:`MAX_DEPTH`); both errors name the ``param``.
 
-    :param yielding: parse with Python hooks on every object and integer, so that a thread
-        parsing a large body gives the GIL up between them (the C parser alone holds it from
-        start to end; gateway/intake.py).
     :raises PayloadTooLarge: over ``max_body_bytes`` (413).
     :raises InvalidRequest: not ``application/json``, empty, not JSON, not an object, a
         non-finite or out-of-range number, or nested too deeply (400).
@@ -98,8 +95,7 @@ def parse_json_body(raw, content_type, max_body_bytes, yielding=False):
     suspect = []  # a non-finite number was read; found again, with its path, after the parse
     try:
         body = json.loads(raw, parse_constant=lambda name: _suspect(suspect, float(name)),
-                          parse_float=lambda text: _suspect(suspect, float(text)),
-                          **(_yielding_hooks(suspect) if yielding else {}))
+                          parse_float=lambda text: _suspect(suspect, float(text)))
     except RecursionError as err:
         raise _too_deep(raw) from err
     except (ValueError, UnicodeDecodeError) as err:
@@ -110,23 +106,10 @@ def parse_json_body(raw, content_type, max_body_bytes, yielding=False):
     if not isinstance(body, dict):
         raise InvalidRequest("Request body must be a JSON object.", code="invalid_json")
     check_depth(body, raw)
-    if suspect or not yielding and _LONG_INTEGER.search(
+    if suspect or _LONG_INTEGER.search(
             raw if isinstance(raw, bytes) else raw.encode()):
         _check_numbers(body, "")
     return body
-
-
-def _same(obj):
-    return obj
-
-
-def _yielding_hooks(suspect):
-    def integer(text):
-        value = int(text)
-        if not _INT_RANGE[0] <= value <= _INT_RANGE[1]:
-            suspect.append(value)
-        return value
-    return {"object_hook": _same, "parse_int": integer}
 
 
 _LONG_INTEGER = re.compile(rb"\d{19}")  # only then can an integer be beyond 64 bits
@@ -272,6 +255,11 @@ def _messages(messages, entry):
     if not isinstance(messages, list):
         raise InvalidRequest("Invalid 'messages': expected an array of messages.",
                              param="messages", code="invalid_type")
+    if len(messages) > entry.context_window:
+        # Every message costs at least one token of the chat template (its role's marker).
+        raise InvalidRequest(f"The request's {len(messages)} messages cannot fit the context "
+                             f"window of model '{entry.id}' ({entry.context_window} tokens).",
+                             param="messages", code="context_length_exceeded")
     has_images = False
     for i, message in enumerate(messages):
         has_images |= _message(i, message, entry)

@@ -19,7 +19,8 @@ START_NANOS = 10 * 10**9
 @pytest.fixture(scope="module")
 def kiln(tmp_path_factory):
     app, engine = factories.sqlite_app(tmp_path_factory.mktemp("kiln"),
-                                       CATALOG.format(url=factories.UNREACHABLE_BACKEND))
+                                       CATALOG.format(url=factories.UNREACHABLE_BACKEND),
+                                       probe_interval_s=0)  # the control row finds its backend
     yield app, engine
     engine.dispose()
 
