@@ -50,12 +50,9 @@ def post(session, url, payload, timeouts_s):
 
 
 def encode_body(body):
-    """Serialise a request body (dict) as compact UTF-8 JSON; text UTF-8 cannot carry (a lone
-    surrogate a client sent as ``\\ud800``) is forwarded intact as a JSON escape."""
-    try:
-        return json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
-    except UnicodeEncodeError:
-        return json.dumps(body, separators=(",", ":")).encode()
+    """Serialise a request body (dict) as compact UTF-8 JSON (its text is valid Unicode: the
+    contract refuses lone surrogates, :func:`gateway.validation.parse_json_body`)."""
+    return json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
 
 
 def open_chat(session, backend, payload, timeouts_s):

@@ -106,13 +106,16 @@ def parse_json_body(raw, content_type, max_body_bytes):
     if not isinstance(body, dict):
         raise InvalidRequest("Request body must be a JSON object.", code="invalid_json")
     check_depth(body, raw)
-    if suspect or _LONG_INTEGER.search(
-            raw if isinstance(raw, bytes) else raw.encode()):
+    encoded = raw if isinstance(raw, bytes) else raw.encode()
+    if suspect or _LONG_INTEGER.search(encoded):
         _check_numbers(body, "")
+    if _SURROGATE_ESCAPE.search(encoded):  # paired (an escaped emoji) or not: look closer
+        _check_text(body, "")
     return body
 
 
 _LONG_INTEGER = re.compile(rb"\d{19}")  # only then can an integer be beyond 64 bits
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # only then can text hold a surrogate
 _INT_RANGE = (-2**63, 2**64 - 1)
 
 
@@ -134,6 +137,29 @@ def _check_numbers(value, path):
             type(value) is int and not _INT_RANGE[0] <= value <= _INT_RANGE[1]):
         raise InvalidRequest(f"Invalid '{path[:200]}': every number must be finite and "
                              f"within 64 bits.", param=path[:200], code="invalid_value")
+
+
+def _check_text(value, path):
+    """Raise 400 naming the first string under ``value`` (member names too) holding a lone
+    UTF-16 surrogate (``"\\ud800"`` unpaired): it is no Unicode character, UTF-8 cannot carry
+    it, and model servers fail on it (llama-cpp-python answers 500)."""
+    if isinstance(value, dict):
+        for key, child in value.items():
+            where = f"{path}.{key}" if path else str(key)
+            _check_text(key, where)
+            _check_text(child, where)
+    elif isinstance(value, list):
+        for i, child in enumerate(value):
+            _check_text(child, f"{path}[{i}]")
+    elif isinstance(value, str) and not value.isascii():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            where = path.encode("utf-8", "replace").decode()[:200]
+            raise InvalidRequest(f"Invalid '{where}': the text holds an unpaired UTF-16 "
+                                 f"surrogate (an escape in \\ud800-\\udfff without its pair), "
+                                 f"which is not a Unicode character.", param=where,
+                                 code="invalid_value") from None
 
 
 def check_depth(value, raw=b"", limit=MAX_DEPTH):

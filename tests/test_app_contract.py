@@ -5,6 +5,8 @@ runs) is refused here with its status, ``error.code`` and ``param``, and leaves 
 no usage event, no lease, no change to the balance. The catalog's backend is a port where
 nothing listens, so a row that reached a backend would fail loudly.
 """
+import json
+
 import pytest
 import sqlalchemy as sa
 
@@ -90,3 +92,15 @@ def test_an_integer_too_long_for_python_is_a_400_that_names_no_internals(kiln, o
     assert (r.status_code, error["code"]) == (400, "invalid_value")
     assert "sys." not in error["message"] and "digits" not in error["message"]
     assert trace(engine, org.id) == (0, 0, START_NANOS, 0, 0)
+
+
+def test_escaped_surrogate_pairs_are_text_and_are_forwarded_as_utf8():
+    """Clients with ``ensure_ascii`` (Python's json) send an emoji as ``\\ud83d\\ude00``: a
+    pair, so valid text, unlike the lone surrogates the contract table refuses."""
+    from gateway.upstream import encode_body
+    from gateway.validation import parse_json_body
+    raw = json.dumps({"messages": [{"role": "user", "content": "hi \U0001F600"}]}).encode()
+    assert b"\\ud83d\\ude00" in raw
+    body = parse_json_body(raw, "application/json", 10**6)
+    assert body["messages"][0]["content"] == "hi \U0001F600"
+    assert "hi \U0001F600".encode() in encode_body(body)

@@ -108,6 +108,12 @@ REJECTED = [
      "invalid_value", "messages[0].role"),
     ("role-missing", body_with(messages=history({"content": "x"})), 400, "invalid_value",
      "messages[1].role"),
+    # a lone surrogate (json.dumps sends it as the escape \ud800): no Unicode character
+    ("lone-surrogate", body_with(messages=history(user("ok \ud800 then"))), 400,
+     "invalid_value", "messages[1].content"),
+    ("lone-low-surrogate-in-name", body_with(
+        messages=[{"role": "user", "content": "x", "name": "\udc00"}]), 400, "invalid_value",
+     "messages[0].name"),
     ("system-no-content", body_with(messages=[{"role": "system"}]), 400,
      "missing_required_parameter", "messages[0].content"),
     ("system-image-part", body_with(model="fake-vision", messages=[{"role": "system",
