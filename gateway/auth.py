@@ -134,16 +134,27 @@ def _cached_lookup(key):
     hit = cache.get(digest)
     if hit is not None and hit[0] > now:
         return hit[1]
-    if unknown.get(digest, 0.0) > now:
+    if hit is not None:
+        # Expired: this request looks the key up again; the requests with the same key that
+        # arrive meanwhile keep the last answer, instead of each asking the database.
+        cache[digest] = (now + config.key_cache_ttl_s, hit[1])
+    elif unknown.get(digest, 0.0) > now:
         gevent.sleep(UNKNOWN_KEY_DELAY_S)
         return None
-    principal = lookup(current_app.extensions["kiln.engine"], key,
-                       config.default_in_flight_limit)
+    try:
+        principal = lookup(current_app.extensions["kiln.engine"], key,
+                           config.default_in_flight_limit)
+    except BaseException:
+        if hit is not None:
+            cache[digest] = hit  # still expired: the next request tries again
+        raise
     if principal is not None:
         _remember(cache, digest, (now + config.key_cache_ttl_s, principal), now)
         unknown.pop(digest, None)
-    elif config.unknown_key_cache_ttl_s > 0:
-        _remember(unknown, digest, now + config.unknown_key_cache_ttl_s, now)
+    else:
+        cache.pop(digest, None)
+        if config.unknown_key_cache_ttl_s > 0:
+            _remember(unknown, digest, now + config.unknown_key_cache_ttl_s, now)
     return principal
 
 

@@ -104,3 +104,34 @@ def test_escaped_surrogate_pairs_are_text_and_are_forwarded_as_utf8():
     body = parse_json_body(raw, "application/json", 10**6)
     assert body["messages"][0]["content"] == "hi \U0001F600"
     assert "hi \U0001F600".encode() in encode_body(body)
+
+
+def test_an_expired_key_is_looked_up_once_however_many_requests_use_it(tmp_path, monkeypatch):
+    """When a cached key expires, the requests arriving during its new lookup keep the last
+    answer: one database query, not one per request (a burst on one key at each expiry)."""
+    import gevent
+
+    import gateway.auth
+    app, engine = factories.sqlite_app(tmp_path, CATALOG.format(url=factories.UNREACHABLE_BACKEND),
+                                       key_cache_ttl_s=0.2)
+    org = factories.org(engine)
+    real, lookups = gateway.auth.lookup, []
+
+    def slow_lookup(*args):
+        lookups.append(args)
+        gevent.sleep(0.1)  # a database round trip, during which the others arrive
+        return real(*args)
+    monkeypatch.setattr(gateway.auth, "lookup", slow_lookup)
+
+    def credits():
+        return app.test_client().get("/v1/credits", headers=org.headers).status_code
+    assert credits() == 200 and len(lookups) == 1
+    gevent.sleep(0.3)  # the entry expires
+    assert [g.get() for g in [gevent.spawn(credits) for _ in range(20)]] == [200] * 20
+    assert len(lookups) == 2
+    with engine.begin() as conn:  # a deleted key is forgotten at its next lookup
+        conn.execute(sa.text("DELETE FROM api_keys WHERE org_id = :o"), {"o": org.id})
+    gevent.sleep(0.3)
+    assert credits() == 401  # the request that looks it up again learns it is gone
+    assert credits() == 401 and len(lookups) == 3  # remembered as unknown, not asked again
+    engine.dispose()
