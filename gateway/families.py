@@ -88,10 +88,11 @@ FAMILIES = {f.name: f for f in (
            ("max_tokens", "max_completion_tokens"), running_usage=True),
     Family("sglang", SAMPLING | {"reasoning_effort", "ignore_eos", "min_tokens"},
            ("max_tokens", "max_completion_tokens")),
-    # llama-cpp-python's server: reads max_tokens only; its templates want string content.
-    Family("llama-cpp-python", SAMPLING, ("max_tokens",), text_parts=False),
-    # llama.cpp's own server (llama-server): n_predict overrides max_tokens.
-    Family("llama.cpp", SAMPLING | {"ignore_eos"}, ("max_tokens", "n_predict"),
+    # llama-cpp-python's server: reads max_tokens only; its templates want string content;
+    # one choice per request whatever n asks.
+    Family("llama-cpp-python", SAMPLING - {"n"}, ("max_tokens",), text_parts=False),
+    # llama.cpp's own server (llama-server): n_predict overrides max_tokens; n must be 1.
+    Family("llama.cpp", SAMPLING - {"n"} | {"ignore_eos"}, ("max_tokens", "n_predict"),
            text_parts=False),
 )}
 

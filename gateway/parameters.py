@@ -153,6 +153,16 @@ def _int_in(low, high):
     return check_int
 
 
+def _n(value, name, entry):
+    _int_in(1, MAX_N)(value, name, entry)
+    if value > 1 and any("n" not in family_of(b.server).params for b in entry.backends):
+        # llama.cpp's server refuses n > 1 and llama-cpp-python's answers one choice: the
+        # client would pay for a hold of n choices and get one.
+        raise InvalidRequest(f"Unsupported value: 'n' must be 1 for model '{entry.id}' (its "
+                             f"model server returns one choice per request); send several "
+                             f"requests instead.", param=name, code="unsupported_value")
+
+
 def _logit_bias(value, name, entry):
     _type(dict, "an object")(value, name, entry)
     for token, bias in value.items():
@@ -218,7 +228,7 @@ _STRING = _type(str, "a string")
 _BOOL = _type(bool, "a boolean")
 _CHECKS = {
     **{name: _number_in_range for name in RANGES},
-    "seed": _seed, "n": _int_in(1, MAX_N),
+    "seed": _seed, "n": _n,
     "top_logprobs": _int_in(0, MAX_TOP_LOGPROBS), "logprobs": _BOOL, "logit_bias": _logit_bias,
     "reasoning_effort": _one_of(REASONING_EFFORTS), "response_format": _response_format,
     "ignore_eos": _ignore_eos, "min_tokens": _int_in(0, INT64 - 1),

@@ -82,8 +82,19 @@ def test_forwarded_fields_reach_the_families_that_read_them(name):
         fields["logprobs"] = True
     _, vllm = build("vllm", **fields)
     assert vllm[name] == SAMPLE[name]
+    if name == "n":  # refused for a model whose server answers one choice (below)
+        return
     _, llama = build("llama-cpp-python", **fields)
     assert (name in llama) == (name not in ("reasoning_effort", "ignore_eos", "min_tokens"))
+
+
+@pytest.mark.parametrize("server", ["llama-cpp-python", "llama.cpp"])
+def test_several_choices_are_refused_where_the_server_returns_one(server):
+    with pytest.raises(InvalidRequest) as err:
+        build(server, n=2)
+    assert (err.value.status, err.value.param, err.value.code) == (400, "n", "unsupported_value")
+    _, body = build(server, n=1)  # one choice is what it gives: accepted, not sent
+    assert "n" not in body
 
 
 @pytest.mark.parametrize("name", ["audio", "web_search_options"])
