@@ -312,6 +312,32 @@ def test_oversized_body_gets_413_json_envelope(nginx, upstream):
 
 
 @requires_nginx
+def test_an_oversized_header_gets_a_json_envelope_not_html(nginx, upstream):
+    status, headers, data = _request(nginx, "POST", "/v1/chat/completions", body=b"{}",
+                                     headers={"Content-Type": "application/json",
+                                              "Authorization": "Bearer " + "k" * 20_000})
+    assert status == 400  # nginx answers header errors with 400, whatever the page says
+    _assert_envelope(headers, data, "request_header_too_large")
+    assert upstream.bodies == []  # never reached the gateway
+
+
+@requires_nginx
+def test_a_request_that_is_not_http_gets_a_json_envelope(nginx, upstream):
+    with socket.create_connection(("127.0.0.1", nginx.port), timeout=10) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: kiln\r\nContent-Length: x"
+                     b"\r\n\r\n")
+        raw = b""
+        while chunk := sock.recv(65536):
+            raw += chunk
+    head, _, body = raw.partition(b"\r\n\r\n")
+    assert head.split(b" ")[1] == b"400"
+    headers = {k.strip().lower(): v.strip() for k, _, v in
+               (line.decode().partition(":") for line in head.split(b"\r\n")[1:])}
+    _assert_envelope(headers, body, "bad_request")
+    assert upstream.bodies == []
+
+
+@requires_nginx
 def test_upstream_down_gets_502_json_envelope(nginx, upstream):
     status, _, _ = _request(nginx, "GET", "/healthz")  # leaves a keep-alive connection
     assert status == 200
