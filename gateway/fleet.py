@@ -16,7 +16,7 @@ import gevent
 
 from .capacity import HostLoad, Slots, slot_dir
 from .errors import ServiceUnavailable, UpstreamError, UpstreamRejected
-from .health import BreakerPolicy
+from .health import BreakerPolicy, note_failure
 from .routing import PREFIX_AFFINITY, prefix_key, rank
 from .upstream import CONNECT_TIMEOUT, UNREACHABLE
 
@@ -149,11 +149,11 @@ class Route:
         if not isinstance(err, UpstreamError):
             return
         if err.code in (UNREACHABLE, CONNECT_TIMEOUT):
-            backend.state.breaker.failure(self.policy, at_once=True)
+            note_failure(backend, self.policy, err.code, at_once=True)
         elif self._others_up(backend):
             # A 5xx or a timeout never takes out a model's last backend in rotation: its
             # clients are better served by that backend's own errors than by 503s.
-            backend.state.breaker.failure(self.policy)
+            note_failure(backend, self.policy, err.code)
 
     def _others_up(self, backend):
         now = time.monotonic()

@@ -104,6 +104,15 @@ class BackendState:
         return self.in_flight if total is None else total
 
 
+def note_failure(backend, policy, why, at_once=False):
+    """Count a failure of ``backend`` (a :class:`gateway.catalog.Backend`) on its breaker; say
+    in the log when that takes it out of rotation, and for how long."""
+    breaker = backend.state.breaker
+    if breaker.failure(policy, at_once=at_once):
+        log.warning("backend %s out of rotation for %.0f s: %s", backend.url,
+                    breaker.open_until - time.monotonic(), why)
+
+
 # -- active probe ------------------------------------------------------------------------------
 
 def probe(session, backend, path, timeout_s, policy):
@@ -113,13 +122,14 @@ def probe(session, backend, path, timeout_s, policy):
     try:
         resp = session.get(url, timeout=(timeout_s, timeout_s))
         resp.close()
-    except requests.ConnectionError:
-        backend.state.breaker.failure(policy, at_once=True)
+    except requests.ConnectionError as err:
+        note_failure(backend, policy, f"probe could not connect ({type(err).__name__})",
+                     at_once=True)
         return "down"
     except requests.Timeout:
         return "unknown"
     if resp.status_code >= 500:
-        backend.state.breaker.failure(policy)
+        note_failure(backend, policy, f"probe answered {resp.status_code}")
         return "down"
     backend.state.breaker.success()
     return "up"

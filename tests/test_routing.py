@@ -158,6 +158,19 @@ def test_a_refused_connection_opens_at_once():
     assert not breaker.is_up(time.monotonic())
 
 
+def test_a_probe_that_cannot_connect_takes_the_backend_out_and_says_so(caplog):
+    import requests
+
+    from factories import UNREACHABLE_BACKEND
+    from gateway.health import probe
+    backend = Backend(url=UNREACHABLE_BACKEND, model="m")
+    with caplog.at_level("WARNING", logger="gateway.health"), requests.Session() as session:
+        assert probe(session, backend, "/models", 5, BreakerPolicy(cooldown_s=5)) == "down"
+    assert not backend.state.breaker.is_up(time.monotonic())
+    assert f"backend {UNREACHABLE_BACKEND} out of rotation for 5 s: probe could not connect " \
+        "(ConnectionError)" in caplog.text
+
+
 # -- slots ---------------------------------------------------------------------------------
 
 def test_slots_cap_a_backend_across_processes(tmp_path):
