@@ -99,7 +99,9 @@ for addr in "127.0.0.1:$MODEL_PORT" "$KILN_BIND"; do
 done
 
 say "starting the model server (SmolLM2-135M on llama.cpp) on 127.0.0.1:$MODEL_PORT ..."
-"${SERVER[@]}" scripts/model-server.sh start "$VENV" "$MODEL_PORT" >"$STATE/model-server.log" 2>&1 &
+# Logs are appended to, each run under a line of its own: an earlier run's stay readable.
+for log in model-server gateway; do echo "== make run, $(date -u +%FT%TZ)" >>"$STATE/$log.log"; done
+"${SERVER[@]}" scripts/model-server.sh start "$VENV" "$MODEL_PORT" >>"$STATE/model-server.log" 2>&1 &
 pids+=($!)
 wait_http "http://127.0.0.1:$MODEL_PORT/v1/models" 120 "the model server" "${pids[0]}"
 
@@ -114,7 +116,7 @@ say "starting the gateway on http://$KILN_BIND ..."
 "$KILN" sweep >/dev/null  # close what a previous run left open (a killed worker's leases)
 # SIGINT is gunicorn's quick, unsettled exit; cleanup sends SIGTERM, the graceful stop that
 # lets streams finish and settle.
-"${SERVER[@]}" "$VENV/bin/gunicorn" -c deploy/gunicorn.conf.py gateway.wsgi:app >"$STATE/gateway.log" 2>&1 &
+"${SERVER[@]}" "$VENV/bin/gunicorn" -c deploy/gunicorn.conf.py gateway.wsgi:app >>"$STATE/gateway.log" 2>&1 &
 pids+=($!)
 wait_http "http://$KILN_BIND/readyz" 60 "the gateway" "${pids[1]}"
 
