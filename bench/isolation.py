@@ -10,6 +10,8 @@ another, first alone, then while a flooder sends, each from its own threads:
 - ``huge-body``, ``huge-vision``: 16 MiB bodies of many small JSON values (the slowest kind to
   parse), with the flooder's own valid key, for a text-only model (refused from their size
   before parsing) and for a vision model (parsed and checked in full);
+- ``huge-string``, ``huge-invalid``: 16 MiB bodies for the vision model of one long text (too
+  long for any context window) and of many values that are not JSON at their very end;
 - ``slow-body``: connections that announce a body and trickle it one byte a second (valid key).
 
 It prints the victim's latency alone and under the flood (p50, p99, max), the ratio of the p99s,
@@ -73,6 +75,18 @@ def huge_body(model, size=16 * MiB - 4096):
     count = (size - 64) // len(one)
     return (b'{"model":"' + model.encode() + b'","messages":[' + one * count
             + b'{"role":"user","content":"x"}]}')
+
+
+def huge_string(model, size=16 * MiB - 4096):
+    """A body of just under ``size`` bytes: one message of one long text (far past any
+    context window, but a string the parser scans character by character)."""
+    head = b'{"model":"' + model.encode() + b'","messages":[{"role":"user","content":"'
+    return head + b"word " * ((size - len(head) - 8) // 5) + b'"}]}'
+
+
+def huge_invalid(model, size=16 * MiB - 4096):
+    """Many tiny messages, then the body breaks off: not JSON, found at its very end."""
+    return huge_body(model, size)[:-2]
 
 
 class Gunicorn:
@@ -147,7 +161,8 @@ class Flood:
 
 def _flood_main(url, key, stop_event, results, vision, unknown=4, slow=20):
     senders = Senders(url, key, stop_event)
-    huge = [senders.huge_body, senders.huge_vision] if vision else [senders.huge_body] * 2
+    huge = [senders.huge_body, senders.huge_vision, senders.huge_string, senders.huge_invalid] \
+        if vision else [senders.huge_body] * 4
     kinds = [senders.unknown_key] * unknown + huge + [senders.slow_body] * slow
     threads = [threading.Thread(target=senders.loop, args=(k,), daemon=True) for k in kinds]
     for t in threads:
@@ -166,6 +181,8 @@ class Senders:
         self._lock = threading.Lock()
         self._huge = huge_body("fake-model")
         self._huge_vision = huge_body("fake-vision")
+        self._huge_string = huge_string("fake-vision")
+        self._huge_invalid = huge_invalid("fake-vision")
 
     def loop(self, send):
         session = requests.Session()
@@ -192,6 +209,14 @@ class Senders:
     def huge_vision(self, session):
         """A huge body for a model that takes images: it is parsed and checked in full."""
         return self._post(session, self._huge_vision, self.key)
+
+    def huge_string(self, session):
+        """One 16 MiB text for the vision model: it cannot fit, but only a parse finds so."""
+        return self._post(session, self._huge_string, self.key)
+
+    def huge_invalid(self, session):
+        """16 MiB of many values that break off at the end: not JSON."""
+        return self._post(session, self._huge_invalid, self.key)
 
     def slow_body(self, _session):
         """Announce 1,000 bytes and send one a second; return how the server ended it."""
@@ -289,8 +314,8 @@ def main(argv=None):
     parser.add_argument("--body-timeout", type=float, default=10.0,
                         help="KILN_BODY_TIMEOUT_S for the run (default 10)")
     parser.add_argument("--vision", action=argparse.BooleanOptionalAction, default=True,
-                        help="one of the two huge-body senders targets the vision model "
-                             "(default); --no-vision: both target the text-only model")
+                        help="three of the four huge-body senders target the vision model "
+                             "(default); --no-vision: all four target the text-only model")
     parser.add_argument("--json", action="store_true", help="also print the result as JSON")
     args = parser.parse_args(argv)
     result = run(args)
