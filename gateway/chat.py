@@ -4,14 +4,15 @@ The endpoint reference is the contract; README "API" gives the order: auth, vali
 maintenance, admission, backend, relay, settlement (the last four in :mod:`gateway.completions`).
 Reading and parsing the body are bounded in time and memory (:mod:`gateway.intake`).
 """
-from flask import Blueprint, after_this_request, current_app, g, request
+from flask import Blueprint, current_app, g, request
 
 from . import completions, intake, ops
 from .auth import require_key
-from .errors import Forbidden, InvalidRequest, PayloadTooLarge, ServiceUnavailable
+from .errors import Forbidden, InvalidRequest, PayloadTooLarge
 from .validation import parse_json_body, validate_chat
 
 bp = Blueprint("chat", __name__)
+BODY_READ = "kiln.body_read"  # environ key: the whole body was read
 
 
 @bp.post("/chat/completions")
@@ -35,51 +36,61 @@ def _read_body(services, budget):
     if length is not None and length > config.max_body_bytes:
         raise PayloadTooLarge(f"Request body is larger than {config.max_body_bytes} bytes.")
     if length is not None and length >= intake.INLINE_BYTES:
-        held = _take_share(budget, length)  # before the first byte is read
+        held = budget.acquire(length)  # before the first byte is read
         try:
-            raw = _receive(config, length)
-            return _parse(services, budget, raw), len(raw)
+            parts, size = _receive(config, length)
+            return _parse(services, budget, parts, size), size
         finally:
             budget.release(held)
-    raw = _receive(config, length)
-    if len(raw) < intake.INLINE_BYTES:
-        return _parse(services, budget, raw), len(raw)
-    held = budget.acquire(len(raw))  # a large body of unknown length: held by its real size
+    parts, size = _receive(config, length)
+    if size < intake.INLINE_BYTES:
+        return _parse(services, budget, parts, size), size
+    held = budget.acquire(size)  # a large body of unknown length: held by its real size
     try:
-        return _parse(services, budget, raw), len(raw)
+        return _parse(services, budget, parts, size), size
     finally:
         budget.release(held)
 
 
-def _take_share(budget, length):
-    try:
-        return budget.acquire(length)
-    except ServiceUnavailable:
-        sock = request.environ.get("gunicorn.socket")
-        if sock is not None:  # refused unread: no reading it all just to keep the connection
-            after_this_request(lambda response: _hang_up_after(response, sock))
-        raise
-
-
-def _hang_up_after(response, sock):
-    response.call_on_close(lambda: intake.hang_up(sock))
+@bp.after_request
+def _never_drained(response):
+    """Close the connection after answering a request whose body was left unread (refused
+    before it was read: a bad key, too large, no share of the parse budget, too slow), unless
+    it is small. Else gunicorn would read and discard the rest to keep the connection, 1 KiB
+    at a time and without giving the event loop a turn: up to 16 MiB, the worker's other
+    requests waiting meanwhile."""
+    length = request.content_length
+    if length is None and "chunked" not in request.headers.get("Transfer-Encoding", "").lower():
+        length = 0  # no body at all
+    if request.environ.get(BODY_READ) or length is not None and length < intake.DRAIN_BYTES:
+        return response
+    sock = request.environ.get("gunicorn.socket")
+    if sock is not None:
+        response.call_on_close(lambda: intake.hang_up(sock))
     return response
 
 
 def _receive(config, length):
-    raw = intake.read_body(request.stream, length, config.max_body_bytes, config.body_timeout_s)
-    if length is not None and len(raw) < length:
+    """Return the body as ``(parts, size in bytes)`` (:func:`gateway.intake.read_body`)."""
+    parts = intake.read_body(request.stream, length, config.max_body_bytes,
+                             config.body_timeout_s)
+    size = sum(map(len, parts))
+    request.environ[BODY_READ] = length is None and size <= config.max_body_bytes or (
+        length is not None and size == length)
+    if length is not None and size < length:
         # The client went away mid-body: whatever parses from the part received was not sent.
-        raise InvalidRequest(f"Request body ended after {len(raw)} of the {length} bytes "
+        raise InvalidRequest(f"Request body ended after {size} of the {length} bytes "
                              f"announced by Content-Length.", code="incomplete_body")
-    return raw
+    return parts, size
 
 
-def _parse(services, budget, raw):
+def _parse(services, budget, parts, size):
     """Parse a small body inline; a large one in the worker's child process, which checks it
-    against the whole contract first (:mod:`gateway.body_process`)."""
-    if len(raw) < intake.INLINE_BYTES or len(raw) > services.config.max_body_bytes:
+    against the whole contract first (:mod:`gateway.body_process`): its parts go down the
+    pipe as they were read, never joined in the worker."""
+    if size < intake.INLINE_BYTES or size > services.config.max_body_bytes:
+        raw = parts[0] if len(parts) == 1 else b"".join(parts)
         return parse_json_body(raw, request.content_type, services.config.max_body_bytes)
     checker = current_app.extensions["kiln.body_process"]
     checker.start()
-    return budget.run(checker.check, raw, request.content_type or "")
+    return budget.run(checker.check, parts, request.content_type or "")

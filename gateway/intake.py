@@ -31,6 +31,7 @@ from .errors import GatewayError, ServiceUnavailable
 # Below this, a body is parsed inline: the hand-off to the child costs more than the parse.
 INLINE_BYTES = 256 * 1024
 READ_SLICE = 256 * 1024  # bytes read before the worker's other requests get a turn
+DRAIN_BYTES = 64 * 1024  # an unread body this large or more closes its connection (chat.py)
 PARSE_SHARE = 0.25  # of one core's time, at most, spent parsing one worker's large bodies
 RETRY_AFTER_S = "1"
 
@@ -131,10 +132,13 @@ def hang_up(sock):
 
 
 def read_body(stream, length, limit, timeout_s):
-    """Return the request body if it arrives within ``timeout_s``: ``length`` bytes (its
-    Content-Length) or, when that is None, up to ``limit + 1`` bytes. It is read in slices of
-    :data:`READ_SLICE`, the worker's other requests served in between (a socket with data
-    waiting does not give the event loop a turn by itself).
+    """Return the request body, as the list of its parts (bytes, at most :data:`READ_SLICE`
+    each, in order), if it arrives within ``timeout_s``: ``length`` bytes (its
+    Content-Length) or, when that is None, up to ``limit + 1`` bytes.
+
+    After each part the worker's other requests are served (``gevent.idle``: a socket with
+    data waiting does not give the event loop a turn by itself, and ``gevent.sleep(0)``
+    runs the other greenlets without waiting for the loop to poll their sockets).
 
     :raises BodyTimeout: it did not.
     """
@@ -148,7 +152,7 @@ def read_body(stream, length, limit, timeout_s):
                     break
                 parts.append(part)
                 got += len(part)
-                gevent.sleep(0)
+                gevent.idle()
     except gevent.Timeout:
         raise BodyTimeout(f"The request body did not arrive within {timeout_s:g} s.") from None
-    return parts[0] if len(parts) == 1 else b"".join(parts)
+    return parts

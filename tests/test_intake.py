@@ -199,6 +199,39 @@ def test_large_bodies_beyond_the_parse_budget_get_a_fast_503(start_gateway, fake
     assert billed == len(served)  # a refused probe is never billed
 
 
+def test_a_large_body_refused_unread_closes_its_connection(start_gateway, fake, org):
+    """A bad key with a 2 MiB body: the gateway answers 401 and closes the connection instead
+    of reading 2 MiB it has no use for (gunicorn would drain it to keep the connection,
+    holding the worker's event loop); a small body refused unread keeps its connection."""
+    import http.client
+    gw = start_gateway(workers=1)
+    bad_key = {"Authorization": "Bearer kiln-" + "x" * 43, "Content-Type": "application/json"}
+
+    def second_request_on_the_same_connection(body):
+        conn = http.client.HTTPConnection("127.0.0.1", gw.port, timeout=30)
+        try:
+            conn.request("POST", "/v1/chat/completions", body=body, headers=bad_key)
+            first = conn.getresponse()
+            assert first.status == 401 and json.loads(first.read())["error"]["code"] == \
+                "invalid_api_key"
+            sock = conn.sock
+            try:
+                conn.request("POST", "/v1/chat/completions", body=json.dumps(SMALL),
+                             headers=bad_key)
+                answered = conn.getresponse().status
+            except (http.client.RemoteDisconnected, ConnectionError):
+                answered = None
+            return answered, conn.sock is sock
+        finally:
+            conn.close()
+    large = json.dumps(SMALL).encode() + b" " * (2 * 1024 * 1024)
+    assert second_request_on_the_same_connection(large)[0] is None  # closed
+    assert second_request_on_the_same_connection(json.dumps(SMALL)) == (401, True)  # kept
+    assert requests.post(gw.base_url + "/v1/chat/completions", json=SMALL, timeout=30,
+                         headers=org.headers).status_code == 200
+    assert len(fake.requests) == 1
+
+
 # -- unknown keys ---------------------------------------------------------------------------
 
 def add_key(engine, org, key):
