@@ -36,11 +36,11 @@ log = logging.getLogger(__name__)
 HEAD = struct.Struct("!QI")
 RETRY_AFTER_S = "1"
 START_TIMEOUT_S = 30.0  # a new child imports the gateway and loads the catalog: under a second
-READY = b"ready\n"
+READY = b"ready\n"  # the child's first words, once its catalog is loaded
 # The child yields the CPU to request serving: parsing a large body waits on a busy host
 # (about a tenth of a contended core at this niceness, Linux CFS weights) instead of slowing
 # every worker's requests.
-NICENESS = 10  # the child's first words, once its catalog is loaded
+NICENESS = 10
 
 
 class BodyProcess:
