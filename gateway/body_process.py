@@ -5,7 +5,7 @@ takes its worker's event loop for about a second to parse and a tenth of a secon
 a 16 MiB string for a tenth of a second (bench/RESULTS.md, "Isolation"). Every other request
 of that worker waits meanwhile. So each worker keeps one child process: a large body is piped
 to it, the child parses it and checks it against the whole contract
-(:func:`gateway.validation.parse_json_body`, :func:`gateway.validation.validate_chat`, with
+(:func:`gateway.json_body.parse_json_body`, :func:`gateway.validation.validate_chat`, with
 the worker's catalog file), and answers either the error the request gets or the parsed body,
 pickled. A body the contract refuses never becomes Python objects in the worker; a valid one
 costs the worker an unpickling (a copy, not a parse).
@@ -169,7 +169,8 @@ def _read_message(pipe):
 
 def check_body(raw, content_type, catalog, max_body_bytes):
     """The child's work: parse ``raw`` and check it as the worker would; return the body."""
-    from .validation import parse_json_body, refuse_unfit_before_parsing, validate_chat
+    from .json_body import parse_json_body
+    from .validation import refuse_unfit_before_parsing, validate_chat
     refuse_unfit_before_parsing(raw, catalog)  # cheaper than any parse
     body = parse_json_body(raw, content_type, max_body_bytes)
     validate_chat(body, catalog, len(raw))

@@ -9,7 +9,8 @@ from flask import Blueprint, current_app, g, request
 from . import completions, intake, ops
 from .auth import require_key
 from .errors import Forbidden, InvalidRequest, PayloadTooLarge
-from .validation import parse_json_body, validate_chat
+from .json_body import parse_json_body
+from .validation import validate_chat
 
 bp = Blueprint("chat", __name__)
 BODY_READ = "kiln.body_read"  # environ key: the whole body was read

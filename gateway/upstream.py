@@ -51,7 +51,7 @@ def post(session, url, payload, timeouts_s):
 
 def encode_body(body):
     """Serialise a request body (dict) as compact UTF-8 JSON (its text is valid Unicode: the
-    contract refuses lone surrogates, :func:`gateway.validation.parse_json_body`)."""
+    contract refuses lone surrogates, :func:`gateway.json_body.parse_json_body`)."""
     return json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
 
 

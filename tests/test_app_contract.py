@@ -98,7 +98,7 @@ def test_escaped_surrogate_pairs_are_text_and_are_forwarded_as_utf8():
     """Clients with ``ensure_ascii`` (Python's json) send an emoji as ``\\ud83d\\ude00``: a
     pair, so valid text, unlike the lone surrogates the contract table refuses."""
     from gateway.upstream import encode_body
-    from gateway.validation import parse_json_body
+    from gateway.json_body import parse_json_body
     raw = json.dumps({"messages": [{"role": "user", "content": "hi \U0001F600"}]}).encode()
     assert b"\\ud83d\\ude00" in raw
     body = parse_json_body(raw, "application/json", 10**6)
