@@ -2,8 +2,9 @@
 # `make run`: the local model server, the gateway (gunicorn + gevent workers) on a SQLite file,
 # a demo org with $5 of credits and a fresh key, then a ready curl line.
 #
-# However it ends, it stops what it started: Ctrl-C (INT), a closed terminal (HUP), a
-# supervisor's or make's TERM, a failure of this script, or one of the two servers exiting.
+# However it ends, it stops what it started: Ctrl-C (INT), a closed terminal (HUP, or its
+# terminal gone with no signal at all), a supervisor's or make's TERM, a failure of this
+# script, or one of the two servers exiting.
 # The gateway stops first (running streams get KILN_GRACEFUL_TIMEOUT seconds to finish and
 # settle), then the model server. Should this script be killed outright (KILL), the kernel
 # sends both servers TERM (a parent-death signal, util-linux setpriv).
@@ -137,8 +138,18 @@ The kiln command needs the demo's database (the gateway's settings are KILN_* va
   $KILN credits reconcile     # every cent accounted for
 Logs: $STATE/gateway.log (one JSON line per generation). Ctrl-C stops everything.
 MSG
-# Until a server exits on its own (a crash); then the EXIT trap stops the other one.
+# Until a server exits on its own (a crash), or the terminal this started in goes away
+# without a hang-up reaching this script (tmux kill-session signals make alone, and make does
+# not pass it on); then the EXIT trap stops the rest.
+had_tty=
+if { : >/dev/tty; } 2>/dev/null; then had_tty=1; fi
+while running "${pids[0]}" && running "${pids[1]}"; do
+  if [[ -n $had_tty ]] && ! { : >/dev/tty; } 2>/dev/null; then exit 129; fi
+  sleep 1 & wait $! || true  # a signal's trap runs at once, not after the sleep
+done
 status=0
-wait -n "${pids[@]}" || status=$?
+for pid in "${pids[@]}"; do
+  if ! running "$pid"; then wait "$pid" || status=$?; fi
+done
 say "a server exited (status $status); see $STATE/*.log" >&2
 exit $((status == 0 ? 1 : status))

@@ -90,6 +90,24 @@ class Demo:
         threading.Thread(target=self._record, daemon=True).start()
         return self
 
+    def start_in_a_terminal(self):
+        """Start the demo under a session leader that has a terminal (a pseudo-terminal: its
+        controlling terminal) and keeps a hang-up to itself, as make does under tmux; return
+        the terminal's master side, whose closing is the terminal going away."""
+        master, slave = os.openpty()
+        name = os.ttyname(slave)
+        leader = ("import signal, subprocess, sys; signal.signal(signal.SIGHUP, lambda *a: None);"
+                  "sys.exit(subprocess.call(sys.argv[1:]))")
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-c", leader, "scripts/run-demo.sh", str(VENV)], cwd=ROOT,
+                env=self.env, stdin=slave, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=lambda: os.close(os.open(name, os.O_RDWR)))  # the controlling tty
+        os.close(slave)
+        threading.Thread(target=self._record, daemon=True).start()
+        return master
+
     def _record(self):
         while self.proc.poll() is None:
             self.seen |= descendants(self.proc.pid)
@@ -174,6 +192,17 @@ def test_a_closed_terminal_or_ctrl_c_stops_everything(demo, sig):
     demo.start().wait_up()
     os.killpg(demo.proc.pid, sig)
     assert demo.wait_end() == 128 + sig
+    assert "stopping..." in demo.output()
+    demo.assert_nothing_left()
+
+
+def test_a_terminal_that_goes_away_without_a_hang_up_stops_everything(demo):
+    """tmux kill-session signals the pane's process (make) alone, and make does not pass the
+    hang-up on: the demo notices its terminal is gone."""
+    terminal = demo.start_in_a_terminal()
+    demo.wait_up()
+    os.close(terminal)
+    assert demo.wait_end() == 129
     assert "stopping..." in demo.output()
     demo.assert_nothing_left()
 
