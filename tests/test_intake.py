@@ -9,7 +9,6 @@ uncharged, never a 500, and no in-flight slot leaks.
 """
 import json
 import socket
-import threading
 import uuid
 
 import pytest
@@ -18,6 +17,7 @@ import sqlalchemy as sa
 
 import nginx_proc
 from gateway.auth import hash_key
+from factories import concurrently
 from gateway_proc import ROOT, balance_nanos, make_org, wait_until
 
 SITE = ROOT / "deploy" / "nginx" / "kiln.conf"
@@ -274,18 +274,12 @@ def test_more_arrivals_than_the_pool_admits_are_503_with_retry_after(start_gatew
                                                                      engine):
     gw = start_gateway(workers=1, db_pool_size=1, db_max_overflow=0, db_pool_timeout_s=0.05)
     org = make_org(engine, f"crowd-{uuid.uuid4().hex[:8]}", usd="100", limit=1000)
-    answers, lock = [], threading.Lock()
 
-    def one():
+    def one(_):
         r = requests.post(gw.base_url + "/v1/chat/completions", timeout=120,
                           headers=org.headers, json={**SMALL, "stream": True})
-        with lock:
-            answers.append((r.status_code, r.headers, r.content))
-    threads = [threading.Thread(target=one) for _ in range(200)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+        return r.status_code, r.headers, r.content
+    answers = concurrently(200, one)  # released together: arrivals the pool cannot admit
     statuses = sorted({status for status, _, _ in answers})
     assert set(statuses) <= {200, 503}, statuses
     busy = [(h, json.loads(body)) for status, h, body in answers if status == 503]
