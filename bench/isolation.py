@@ -18,7 +18,7 @@ It prints the victim's latency alone and under the flood (p50, p99, max), the ra
 what the flood's requests were answered, and the workers' peak memory. ``--root`` runs another
 checkout's gateway (e.g. the main branch, for a before/after figure) with this harness.
 
-    .venv/bin/python bench/isolation.py [--root DIR] [--requests 300] [--workers 1]
+    .venv/bin/python bench/isolation.py [--root DIR] [--requests 1000] [--workers 1]
 """
 from __future__ import annotations
 
@@ -310,7 +310,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--root", type=Path, default=HERE.parent,
                         help="checkout whose gateway runs (default: this one)")
-    parser.add_argument("--requests", type=int, default=300)
+    parser.add_argument("--requests", type=int, default=1000)
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--budget", type=float, default=90.0,
                         help="seconds each victim phase may take at most (default 90)")
