@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import gevent
 import requests
 
+from .upstream import unreachable
+
 log = logging.getLogger(__name__)
 
 CLOSED, OPEN, HALF_OPEN = "closed", "open", "half_open"
@@ -117,17 +119,29 @@ def note_failure(backend, policy, why, at_once=False):
 
 def probe(session, backend, path, timeout_s, policy):
     """Probe ``backend`` once and feed its breaker; return ``"up"``, ``"down"`` or
-    ``"unknown"`` (connected, no answer in time)."""
+    ``"unknown"`` (connected, no answer in time).
+
+    A connection that cannot be made takes the backend out at once. One that drops without an
+    answer is tried once more on a new connection first: the pooled connection may be one the
+    server had closed as its keep-alive ran out (uvicorn's is 5 s, the probe's interval too).
+    """
     url = backend.url.rstrip("/") + path
-    try:
-        resp = session.get(url, timeout=(timeout_s, timeout_s))
-        resp.close()
-    except requests.ConnectionError as err:
-        note_failure(backend, policy, f"probe could not connect ({type(err).__name__})",
-                     at_once=True)
-        return "down"
-    except requests.Timeout:
-        return "unknown"
+    for last_try in (False, True):
+        try:
+            resp = session.get(url, timeout=(timeout_s, timeout_s))
+            resp.close()
+            break
+        except requests.ConnectionError as err:
+            if unreachable(err):
+                note_failure(backend, policy, f"probe could not connect ({type(err).__name__})",
+                             at_once=True)
+                return "down"
+            if last_try:
+                note_failure(backend, policy, f"probe's connection dropped twice "
+                                              f"({type(err).__name__})")
+                return "down"
+        except requests.Timeout:
+            return "unknown"
     if resp.status_code >= 500:
         note_failure(backend, policy, f"probe answered {resp.status_code}")
         return "down"

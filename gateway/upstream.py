@@ -78,7 +78,7 @@ def open_chat(session, backend, payload, timeouts_s):
         raise UpstreamTimeout(f"The model backend sent no answer within {timeouts_s[1]:g} s "
                               f"(first byte timeout).", code=FIRST_BYTE_TIMEOUT) from err
     except requests.RequestException as err:
-        if _unreachable(err):
+        if unreachable(err):
             raise UpstreamError("The model backend is unreachable.", code=UNREACHABLE) from err
         raise UpstreamError("The model backend closed the connection before answering.") \
             from err
@@ -90,7 +90,7 @@ def open_chat(session, backend, payload, timeouts_s):
     return resp
 
 
-def _unreachable(err):
+def unreachable(err):
     """True when no connection could be made (refused, no route, connect timeout); a reset of
     an open connection is a backend error, not an absent backend."""
     reason = getattr(err.args[0], "reason", None) if err.args else None

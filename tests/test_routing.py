@@ -171,6 +171,42 @@ def test_a_probe_that_cannot_connect_takes_the_backend_out_and_says_so(caplog):
         "(ConnectionError)" in caplog.text
 
 
+def test_a_probe_on_a_connection_the_server_dropped_tries_a_new_one(caplog):
+    """A model server that closes an idle keep-alive connection (uvicorn after 5 s) just as
+    the next probe reuses it is not taken out of rotation."""
+    import socket
+    import threading
+
+    import requests
+
+    from gateway.health import probe
+    listener = socket.create_server(("127.0.0.1", 0))
+    connections = []
+
+    answer = b'HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}'  # keep-alive
+
+    def serve():
+        first, _ = listener.accept()
+        connections.append(first)
+        first.recv(65536)
+        first.sendall(answer)
+        first.recv(65536)  # the next probe, on the kept connection: its keep-alive ran out
+        first.close()      # as it arrived, so it is closed unanswered
+        second, _ = listener.accept()
+        connections.append(second)
+        second.recv(65536)
+        second.sendall(answer)
+        second.close()
+    threading.Thread(target=serve, daemon=True).start()
+    backend = Backend(url=f"http://127.0.0.1:{listener.getsockname()[1]}/v1", model="m")
+    with caplog.at_level("WARNING", logger="gateway.health"), requests.Session() as session:
+        assert probe(session, backend, "/models", 5, BreakerPolicy()) == "up"
+        assert probe(session, backend, "/models", 5, BreakerPolicy()) == "up"
+    assert backend.state.breaker.is_up(time.monotonic()) and "out of rotation" not in caplog.text
+    assert len(connections) == 2
+    listener.close()
+
+
 # -- slots ---------------------------------------------------------------------------------
 
 def test_slots_cap_a_backend_across_processes(tmp_path):
