@@ -18,7 +18,6 @@ def create_app(config=None):
     from .db import create_engine
     from .errors import register_error_handlers
     from .ledger import Ledger, NullLedger
-
     if not isinstance(config, Config):
         config = Config.from_mapping(config)
     app = Flask(__name__)
