@@ -74,7 +74,7 @@ class BodyProcess:
         try:
             _send(proc.stdin, content_type.encode(),
                   [parts] if isinstance(parts, bytes) else parts)
-            kind, payload = pickle.loads(_receive(proc.stdout))
+            kind, payload = pickle.loads(_read_message(proc.stdout)[1])
             answered = True
         except (OSError, EOFError, ValueError, pickle.UnpicklingError, struct.error) as err:
             raise self._failed(err) from None
@@ -145,11 +145,6 @@ def _send(pipe, text, parts):
     pipe.flush()
 
 
-def _receive(pipe):
-    size, _ = HEAD.unpack(_read_exactly(pipe, HEAD.size))
-    return _read_exactly(pipe, size)
-
-
 def _read_exactly(pipe, size):
     data = pipe.read(size)
     if len(data) != size:
@@ -158,10 +153,13 @@ def _read_exactly(pipe, size):
 
 
 def _read_message(pipe):
-    """Return ``(text, payload)`` of the next message, or None at the end of the pipe."""
+    """Return ``(text, payload)`` of the next message.
+
+    :raises EOFError: the pipe ended first.
+    """
     head = pipe.read(HEAD.size)
-    if not head:
-        return None
+    if len(head) != HEAD.size:
+        raise EOFError("the pipe ended before a message")
     size, text_size = HEAD.unpack(head)
     text = _read_exactly(pipe, text_size).decode()
     return text, _read_exactly(pipe, size)
@@ -188,15 +186,18 @@ def main():
     catalog = load_catalog(models_path)
     stdout.write(READY)
     stdout.flush()
-    while (message := _read_message(stdin)) is not None:
-        content_type, raw = message
+    while True:
+        try:
+            content_type, raw = _read_message(stdin)
+        except EOFError:
+            return  # the worker exited
         try:
             answer = ("body", check_body(raw, content_type, catalog, max_body_bytes))
         except GatewayError as err:
             answer = ("error", err)
         except Exception as err:  # noqa: BLE001 - told to the worker, which answers 500
             answer = ("failed", repr(err)[:500])
-        del raw, message
+        del raw
         _send(stdout, b"", [pickle.dumps(answer, protocol=pickle.HIGHEST_PROTOCOL)])
         del answer
 
