@@ -10,9 +10,13 @@ Kiln is paid for tokens, so its own counts err upward (docs/METERING.md gives th
   least one byte); at most the context window;
 - the completion: the backend's tokenizer on everything generated (content, reasoning, refusals,
   tool-call names and arguments, every choice), or its bytes capped by the budget; never fewer than
-  the deltas relayed (each delta carries at least one token).
+  the tokens the relay counted (each delta carries at least one token, and at least one per
+  :data:`MAX_TOKEN_BYTES` bytes of its text). A reply proven by that count to hold more than
+  the budget (a non-stream reply cannot be cut) is billed its bytes, uncapped: the cap it was
+  sent no longer bounds it.
 """
 import json
+import math
 
 from .billing import Usage, token_count
 
@@ -22,6 +26,11 @@ TEMPLATE_TOKENS_PER_MESSAGE = 8
 TEMPLATE_TOKENS_PER_REQUEST = 32
 # Fields of a delta (stream) or a message (non-stream) that carry generated text.
 GENERATED_TEXT_FIELDS = ("content", "reasoning_content", "reasoning", "refusal")
+# No token of a chat model's vocabulary spans more UTF-8 bytes than this (the longest tokens of
+# the common BPE vocabularies are runs of spaces or punctuation well below it), so a delta holds
+# at least ``ceil(bytes / MAX_TOKEN_BYTES)`` tokens: a count that never exceeds the true one,
+# and that a backend packing many tokens into each delta cannot stay under.
+MAX_TOKEN_BYTES = 64
 
 
 def prompt_bound(context_window, body_bytes, n_messages, has_images):
@@ -45,6 +54,8 @@ class Meter:
     def __init__(self, cap):
         self.cap = cap
         self.deltas = 0          # deltas with generated text relayed (each ≥ 1 token)
+        self.floor = 0           # tokens relayed at least: Σ max(1, ⌈delta bytes / 64⌉)
+        self.bytes = 0           # UTF-8 bytes of the generated text relayed
         self.parts = []          # the generated text, in pieces
         self.reported = None     # the last usage object the backend sent (running or final)
         self.finished = set()    # choice indexes that carried a finish_reason
@@ -52,10 +63,17 @@ class Meter:
 
     @property
     def generated(self):
-        """Completion tokens known so far: the backend's running count or the deltas relayed,
-        whichever is larger."""
+        """Completion tokens known so far: the backend's running count or Kiln's floor (at
+        least one per delta and per :data:`MAX_TOKEN_BYTES` bytes), whichever is larger."""
         reported = token_count((self.reported or {}).get("completion_tokens"))
-        return max(self.deltas, reported or 0)
+        return max(self.floor, reported or 0)
+
+    @property
+    def overran(self):
+        """Whether more than the budget is proven to have reached the client (by Kiln's floor or
+        the backend's own count; a non-stream reply, which cannot be cut): the cap no longer
+        bounds an estimate of it."""
+        return self.generated > self.cap
 
     def admit_chunk(self, chunk):
         """Count a stream chunk (dict) if it fits in the budget; return whether it does.
@@ -69,12 +87,15 @@ class Meter:
         choices = choices if isinstance(choices, list) else ()
         pieces = [p for choice in choices for p in _choice_text(choice, "delta")]
         deltas = sum(1 for choice in choices if _has_generation(choice, "delta"))
-        if deltas and (self.deltas + deltas > self.cap or (running or 0) > self.cap):
+        floor, size = _floor(choices, "delta")
+        if deltas and (self.floor + floor > self.cap or (running or 0) > self.cap):
             self.cut = True
             return False
         if isinstance(usage, dict):
             self.reported = usage
         self.deltas += deltas
+        self.floor += floor
+        self.bytes += size
         self.parts.extend(pieces)
         for choice in choices:
             if isinstance(choice, dict) and choice.get("finish_reason"):
@@ -84,9 +105,13 @@ class Meter:
     def observe_completion(self, completion):
         """Count a whole (non-stream) chat completion (dict)."""
         choices = completion.get("choices")
-        for choice in choices if isinstance(choices, list) else ():
+        choices = choices if isinstance(choices, list) else ()
+        for choice in choices:
             self.parts.extend(_choice_text(choice, "message"))
             self.deltas += 1 if _has_generation(choice, "message") else 0
+        floor, size = _floor(choices, "message")
+        self.floor += floor
+        self.bytes += size
         if isinstance(completion.get("usage"), dict):
             self.reported = completion["usage"]
 
@@ -117,6 +142,22 @@ def _choice_text(choice, field):
 
 def _has_generation(choice, field):
     return any(_choice_text(choice, field))
+
+
+def _floor(choices, field):
+    """Return ``(tokens at least, UTF-8 bytes)`` of the generated text in ``choices``: per
+    choice that generated anything, one token and one more per :data:`MAX_TOKEN_BYTES` bytes."""
+    floor = size = 0
+    for choice in choices:
+        n = sum(_utf8_len(text) for text in _choice_text(choice, field))
+        if n or _has_generation(choice, field):
+            floor += max(1, math.ceil(n / MAX_TOKEN_BYTES))
+            size += n
+    return floor, size
+
+
+def _utf8_len(text):
+    return len(text.encode("utf-8", "surrogatepass"))
 
 
 def prompt_text(body):
@@ -173,12 +214,14 @@ def estimate_completion(meter, count):
     """Return Kiln's upper estimate of the completion tokens counted by ``meter``.
 
     :param count: ``text -> int | None``, the backend's tokenizer (None: it did not answer);
-        without an answer, the generated text's bytes, at most the budget.
+        without an answer, the generated text's bytes: at most the budget, unless the
+        generation is proven to have run past it (:attr:`Meter.overran`).
     """
     text = meter.text()
     counted = count(text) if text else 0
     if counted is None:
-        counted = min(len(text.encode("utf-8", "surrogatepass")), meter.cap)
+        size = _utf8_len(text)
+        counted = size if meter.overran else min(size, meter.cap)
     return max(counted, meter.generated)
 
 
@@ -187,7 +230,8 @@ def reconcile_usage(reported, meter, own_prompt, own_completion):
 
     Each count is taken from the backend when it is a well-formed count, else from Kiln's own
     (a null, missing, string, negative or fractional count is never billed as 0). A reported
-    completion below the deltas Kiln relayed is raised to them. Own counts are computed only
+    completion below the tokens Kiln counted relaying it (:attr:`Meter.floor`) is raised to
+    them. Own counts are computed only
     when needed.
 
     :param reported: the backend's ``usage`` object, or None.
@@ -205,8 +249,8 @@ def reconcile_usage(reported, meter, own_prompt, own_completion):
         prompt = own_prompt()
     if completion is None:
         completion = own_completion()
-    elif completion < meter.deltas:
-        completion, estimated = meter.deltas, True
+    elif completion < meter.floor:
+        completion, estimated = meter.floor, True
     return Usage(prompt=prompt, cached=min(cached or 0, prompt), completion=completion,
                  estimated=estimated)
 

@@ -4,7 +4,7 @@ from decimal import Decimal
 import pytest
 
 from gateway.billing import Usage, cost_usd, from_nanos, hold_nanos, to_nanos
-from gateway.metering import prompt_bound
+from gateway.metering import Meter, estimate_completion, prompt_bound
 from factories import pricing
 from gateway.catalog import Pricing
 
@@ -65,3 +65,33 @@ def test_hold_bounds_prompt_by_bytes_and_context_window():
 
 def test_hold_of_a_request_with_images_assumes_the_whole_window():
     assert prompt_bound(4096, 10, 1, True) == 4096
+
+
+# -- Kiln's own completion count (gateway/metering.py) ----------------------------------------
+
+def _delta(text):
+    return {"choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}]}
+
+
+@pytest.mark.parametrize("size, floor", [(1, 1), (64, 1), (65, 2), (2000, 32)])
+def test_a_delta_counts_one_token_per_64_bytes_at_least(size, floor):
+    meter = Meter(cap=100)
+    assert meter.admit_chunk(_delta("é" * (size // 2) + "x" * (size % 2)))
+    assert (meter.deltas, meter.floor, meter.bytes) == (1, floor, size)
+
+
+def test_the_delta_that_would_pass_the_cap_by_its_bytes_is_refused():
+    meter = Meter(cap=40)
+    assert meter.admit_chunk(_delta("w" * 2000))        # 32 tokens at least
+    assert not meter.admit_chunk(_delta("w" * 640))     # 10 more: 42 > 40
+    assert meter.cut and meter.floor == 32 and not meter.overran
+
+
+def test_without_a_tokenizer_the_estimate_is_the_bytes_capped_until_proven_past_the_cap():
+    within = Meter(cap=100)
+    within.observe_completion({"choices": [{"message": {"content": "x" * 400}}]})
+    assert estimate_completion(within, lambda _text: None) == 100   # 400 bytes, cap 100
+    past = Meter(cap=5)
+    past.observe_completion({"choices": [{"message": {"content": "x" * 400}}]})
+    assert past.overran and estimate_completion(past, lambda _text: None) == 400
+    assert estimate_completion(past, lambda _text: 90) == 90  # the tokenizer's count wins

@@ -54,6 +54,37 @@ def test_a_backend_that_ignores_max_tokens_is_cut_at_the_cap_and_billed_the_cap(
     assert record.closed_at is not None and not record.completed
 
 
+def test_a_backend_that_packs_many_tokens_into_each_delta_is_cut_by_their_bytes(
+        gateway, fake, org, engine):
+    # No usage, no tokenizer, max_tokens ignored: each 2,000-byte delta holds at least
+    # ⌈2000 / 64⌉ = 32 tokens, so the first delta is already past a cap of 5.
+    before = anomalies(gateway)
+    fake.enqueue(sse([chat_chunk("w" * 2000) for _ in range(5)]
+                     + [chat_chunk(finish_reason="stop")], delay_s=0.02))
+    r = post(gateway, org, stream=True, max_tokens=5, stream_options={"include_usage": True})
+    chunks = chunks_of(r.text)
+    assert not any(c["choices"][0]["delta"].get("content") for c in chunks if c["choices"])
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
+    event = usage_event(engine, r.headers["X-Neocloud-Generation-Id"])
+    assert event["completion_tokens"] == 0 and event["anomaly"] is True
+    assert anomalies(gateway) == before + 1
+    assert fake.requests[-1].closed_at is not None and not fake.requests[-1].completed
+
+
+def test_a_reply_proven_past_the_cap_is_billed_its_bytes_uncapped(gateway, fake, org, engine):
+    # A non-stream reply cannot be cut: 6,400 bytes hold at least 100 tokens, past the cap
+    # of 5, so the cap no longer bounds Kiln's estimate and the bytes are billed.
+    usage = make_usage(prompt=9, completion=0)
+    del usage["completion_tokens"]
+    fake.enqueue(json_reply(chat_completion("y" * 6400, usage=usage)))
+    r = post(gateway, org, max_tokens=5)
+    assert r.status_code == 200
+    assert r.json()["usage"]["completion_tokens"] == 6400
+    event = usage_event(engine, r.headers["X-Neocloud-Generation-Id"])
+    assert (event["completion_tokens"], event["anomaly"], event["estimated"]) == \
+        (6400, True, True)
+
+
 @pytest.mark.parametrize("completion", [None, "12", -3, 2.5, True, {}, "missing"])
 def test_a_malformed_completion_count_is_replaced_by_kilns_own_from_above(
         gateway, fake, org, engine, completion):
