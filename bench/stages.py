@@ -6,9 +6,9 @@ Starts the fake upstream (bench/fake_openai.py) and Kiln metered on the benchmar
 seconds per request of admission (``kiln_admission_seconds``), of the backend call
 (``kiln_upstream_latency_seconds``) and of settlement (``kiln_settlement_seconds``, per durable
 batch; at one connection a batch is one request), set against wrk's mean latency. The same
-runs with metering off (``KILN_METERING=false``) and with the ledger's sessions at
-``synchronous_commit=off`` (an operator's choice, README "Holds and settlement"), which shows
-what the WAL flush of the durable settlement costs. Prints one table; compare within a run.
+runs with metering off (``KILN_METERING=false``) and with the answer held until its settlement
+commits (``KILN_SETTLE_BEFORE_ANSWER=true``; by default it leaves first, docs/METERING.md),
+which shows what settling on the client's clock costs. Prints one table; compare within a run.
 
     python bench/stages.py [--seconds 10] [--rounds 2]
 
@@ -33,14 +33,12 @@ import targets as tg  # noqa: E402
 
 STAGES = {"admission": "kiln_admission_seconds", "backend call": "kiln_upstream_latency_seconds",
           "settlement (durable commit)": "kiln_settlement_seconds"}
-ASYNC = "?options=-csynchronous_commit%3Doff"
 
 
 def measure(kiln: kt.KilnBench, mode: str, seconds: int) -> dict:
-    """Start Kiln in ``mode`` (metered, async, nometer), run wrk at one connection, read it."""
-    url = kiln.env["KILN_DATABASE_URL"]
-    if mode == "async":
-        kiln.env["KILN_DATABASE_URL"] = url + ASYNC
+    """Start Kiln in ``mode`` (metered, settle-first, nometer), run wrk at one connection, read
+    it."""
+    kiln.env["KILN_SETTLE_BEFORE_ANSWER"] = "true" if mode == "settle-first" else "false"
     target = kiln.start(metering=mode != "nometer")
     try:
         sc.wrk_run(target, 1, 2)  # warm up, then start the histograms from here
@@ -49,7 +47,6 @@ def measure(kiln: kt.KilnBench, mode: str, seconds: int) -> dict:
         after = _metrics(target)
     finally:
         target.stop()
-        kiln.env["KILN_DATABASE_URL"] = url
     out = {"wrk mean ms": 1000 / result["rps"], "p50 ms": result["p50_ms"]}
     for label, name in STAGES.items():
         out[label] = _delta_mean_ms(before, after, name)
@@ -80,7 +77,7 @@ def main() -> None:
     try:
         kiln = kt.KilnBench(upstream.base_url, workdir, sc.ORGS_CONNS)
         kiln.provision()
-        runs = {mode: [] for mode in ("nometer", "metered", "async")}
+        runs = {mode: [] for mode in ("nometer", "metered", "settle-first")}
         for _ in range(args.rounds):  # interleaved: the modes of one round are seconds apart
             for mode in runs:
                 runs[mode].append(measure(kiln, mode, args.seconds))

@@ -1,4 +1,12 @@
-"""Endpoints for the key holder: the org's credits, and its own usage events."""
+"""Endpoints for the key holder: the org's credits, and its own usage events.
+
+A generation's settlement commits a few milliseconds after its answer leaves (docs/METERING.md,
+"When the usage event is final"): these views first wait for this worker's outstanding
+settlements of what they show, and a pending event is read again for up to
+:data:`PENDING_WAIT_S` (another worker's settlement), so that a read right after an answer
+shows it settled.
+"""
+import gevent
 import sqlalchemy as sa
 from flask import Blueprint, current_app, g, jsonify, request
 
@@ -9,6 +17,9 @@ from .errors import InvalidRequest, NotFound
 from .models import credit_balances, usage_events
 
 bp = Blueprint("account", __name__)
+
+PENDING_WAIT_S = 0.05   # how long a pending event is read again before it is shown pending
+PENDING_POLL_S = 0.01
 
 
 def org_credits(engine, org_id):
@@ -26,6 +37,8 @@ def org_credits(engine, org_id):
 def credits():
     """Show the caller's org credits: balance, open holds, available (USD as exact decimal
     strings), requests in flight and the org's in-flight limit."""
+    services = current_app.extensions["kiln"]
+    services.ledger.wait_settled(services.config.settle_wait_s, org_id=g.principal.org_id)
     data = org_credits(current_app.extensions["kiln.engine"], g.principal.org_id)
     return jsonify({"object": "credits", **{k: format(v, "f") if k != "in_flight" else v
                                             for k, v in data.items()},
@@ -49,12 +62,23 @@ def generation():
                              f"{usage_events.c.id.type.length} characters without control "
                              f"characters, as sent in the X-Neocloud-Generation-Id header.",
                              param="id", code="invalid_value")
-    with current_app.extensions["kiln.engine"].connect() as conn:
-        row = conn.execute(sa.select(usage_events).where(
-            usage_events.c.id == gid, usage_events.c.org_id == g.principal.org_id)).first()
+    services = current_app.extensions["kiln"]
+    services.ledger.wait_settled(services.config.settle_wait_s, gid=gid)
+    row = _usage_event(gid, g.principal.org_id)
     if row is None:
         raise NotFound(f"No generation '{gid}' for this organization.", param="id")
+    for _ in range(int(PENDING_WAIT_S / PENDING_POLL_S)):
+        if row.status != "pending":
+            break
+        gevent.sleep(PENDING_POLL_S)
+        row = _usage_event(gid, g.principal.org_id)
     return jsonify(generation_view(row))
+
+
+def _usage_event(gid, org_id):
+    with current_app.extensions["kiln.engine"].connect() as conn:
+        return conn.execute(sa.select(usage_events).where(
+            usage_events.c.id == gid, usage_events.c.org_id == org_id)).first()
 
 
 def generation_view(row):

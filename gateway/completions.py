@@ -77,9 +77,9 @@ def _life(gen):
     """Yield the response's head, then its body; settle exactly once, whatever ends it.
 
     A completed path returns its last bytes (the JSON body; the usage chunk and ``[DONE]``) as
-    a function of the USD charged, instead of sending them: they go out after the settlement,
-    which for a completed generation has committed by then, so the cost a client is told is
-    the one in the ledger (docs/METERING.md). A failed stream's last bytes are its error event.
+    a function of the USD charged, instead of sending them: they go out once the settlement is
+    handed to the ledger, with the cost it debits (docs/METERING.md, "When the usage event is
+    final"). A failed stream's last bytes are its error event.
     """
     ending, last = None, None
     try:
@@ -273,11 +273,16 @@ class Generation:
                                     "cost_nanos": cost,
                                     "completion_tokens": usage.completion,
                                     "completion_cap": self.chat.completion_cap}))
-        p = self.principal
-        # The answer waits for the settlement (its slot and hold are free, its cost final,
-        # when the client reads it), unless nobody is left to read one.
-        wait_s = 0 if outcome.status is Status.CLIENT_CANCELLED else \
-            self.services.config.settle_wait_s
+        p, config = self.principal, self.services.config
+        # A completed answer's last bytes leave without waiting for the settlement's commit:
+        # the cost they tell is the one debited, since a cost within the hold is always
+        # covered. A cost above the hold (the balance may not cover it all) waits to learn the
+        # debit; an error waits so that its slot is free when the client retries; every answer
+        # waits when the operator asks (KILN_SETTLE_BEFORE_ANSWER); none when nobody is left
+        # to read it.
+        wait = (outcome.status is not Status.COMPLETED or cost > self.hold_nanos
+                or config.settle_before_answer) and outcome.status is not Status.CLIENT_CANCELLED
+        wait_s = config.settle_wait_s if wait else 0
         settlement = Settlement(
             gid=self.gid, org_id=p.org_id, key_id=p.key_id, model=self.chat.entry.id,
             stream=self.chat.stream, status=outcome.status.value, usage=usage,

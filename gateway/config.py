@@ -29,15 +29,19 @@ class Config:
     # (then closed). Reads (keys, the maintenance flag, account views) use 2 more.
     db_pool_size: int = 4
     db_max_overflow: int = 12
-    # Longest wait for a pooled database connection before a request is told 503.
+    # Longest wait for a pooled database connection before a request is told 503 (and, one
+    # second more, for its admission statement: a stalled database is a 503, not a hang).
     db_pool_timeout_s: float = 5.0
     # Largest non-stream reply and largest single stream event read from a backend.
     max_reply_bytes: int = 64 * 1024 * 1024
     max_event_bytes: int = 4 * 1024 * 1024
     # On graceful shutdown, the longest wait for queued settlements to commit.
     settle_drain_s: float = 30.0
-    # A completed generation's last bytes wait up to this long for its settlement to commit
-    # (then go out anyway; the settlement keeps being retried).
+    # True: a generation's last bytes wait for its settlement to commit (up to settle_wait_s;
+    # then they go out anyway and the settlement keeps being retried), so that a worker killed
+    # just after an answer cannot leave it to the sweeper. False: they leave at once and the
+    # settlement commits a few milliseconds later (docs/METERING.md).
+    settle_before_answer: bool = False
     settle_wait_s: float = 5.0
     # False: no lease, no hold, no usage event, no debit. For benchmarks only (bench/metering.py).
     metering: bool = True

@@ -121,7 +121,8 @@ def _where(o):
 
 
 def check_complete(observations, events, org_ids, violations):
-    """Every complete response has exactly one usage event, of its org, costing its usage.cost.
+    """Every complete response has exactly one usage event, of its org, costing its usage.cost
+    (unless its worker was killed before the settlement committed: then ``abandoned``).
 
     :param observations: :class:`chaos_clients.Observation` list.
     :param events: ``{generation id: row}`` with the columns of :data:`EVENTS_SQL`.
@@ -139,6 +140,11 @@ def check_complete(observations, events, org_ids, violations):
             found = dict(row) if row else None
             violations.add("complete_without_event", f"{_where(o)}: no usage event of org "
                            f"{org_ids[o.org]} (found {found})", span=_span(o))
+            continue
+        if row["status"] == "abandoned":
+            # Answered, then its worker was killed before the settlement committed (a few
+            # milliseconds after the answer): the sweeper billed the progress recorded
+            # (docs/METERING.md). A live worker renews the lease until its settlement commits.
             continue
         billed = Decimal(row["cost_nanos"]) / NANOS_PER_USD
         if o.cost is None or billed != o.cost:

@@ -378,6 +378,25 @@ def test_credits_for_exactly_three_holds_admit_exactly_three(gateway, fake, engi
     assert_ledger(engine, org.id, 3 * hold)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_back_to_back_requests_at_the_limit_are_never_refused(gateway, fake, engine, stream):
+    """Settlement commits just after the answer leaves (docs/METERING.md): an org with a limit
+    of one sends its next request the moment each answer ends, on a new connection (either
+    worker): every one is admitted, and the ledger is exact."""
+    org = make_org(engine, f"b2b-{uuid.uuid4().hex[:8]}", limit=1)
+    body = {"model": "fake-model", "messages": MESSAGES, "stream": stream, "max_tokens": 8}
+    codes = []
+    for _ in range(30):
+        r = post(gateway.base_url, org, body)  # the fake's default answer, read to its end
+        codes.append(r.status_code)
+        assert r.status_code != 200 or (r.content.endswith(b"data: [DONE]\n\n") if stream
+                                        else r.json()["usage"]["cost"] > 0)
+    assert codes == [200] * 30
+    quiet(engine, org.id)
+    assert len(events_of(engine, org.id)) == 30
+    assert_ledger(engine, org.id, 10 * 10**9)
+
+
 # -- top-ups by SQL while requests settle ---------------------------------------------------------
 
 def sql_top_ups(pg_url, org_id, amounts, done):

@@ -113,7 +113,7 @@ def test_an_expired_key_is_looked_up_once_however_many_requests_use_it(tmp_path,
 
     import gateway.auth
     app, engine = factories.sqlite_app(tmp_path, CATALOG.format(url=factories.UNREACHABLE_BACKEND),
-                                       key_cache_ttl_s=0.2)
+                                       key_cache_ttl_s=1.0)
     org = factories.org(engine)
     real, lookups = gateway.auth.lookup, []
 
@@ -126,12 +126,12 @@ def test_an_expired_key_is_looked_up_once_however_many_requests_use_it(tmp_path,
     def credits():
         return app.test_client().get("/v1/credits", headers=org.headers).status_code
     assert credits() == 200 and len(lookups) == 1
-    gevent.sleep(0.3)  # the entry expires
+    gevent.sleep(1.1)  # the entry expires (a second: 20 requests on a slow machine fit in it)
     assert [g.get() for g in [gevent.spawn(credits) for _ in range(20)]] == [200] * 20
     assert len(lookups) == 2
     with engine.begin() as conn:  # a deleted key is forgotten at its next lookup
         conn.execute(sa.text("DELETE FROM api_keys WHERE org_id = :o"), {"o": org.id})
-    gevent.sleep(0.3)
+    gevent.sleep(1.1)
     assert credits() == 401  # the request that looks it up again learns it is gone
     assert credits() == 401 and len(lookups) == 3  # remembered as unknown, not asked again
     engine.dispose()

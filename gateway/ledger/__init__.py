@@ -21,18 +21,21 @@ Row locks are always taken in this order: usage events (by id), leases, balances
 keys, daily rows. Admission locks a balance, then a key; renewal locks events (skipping those
 being settled), then leases; settlement locks events, then balances in org order.
 
-Durability: no statement waits for its WAL flush on a client's clock. Settlements are committed
-in batches (one transaction for those queued at that moment), then kept in memory until the
-database reports their WAL flushed (:meth:`Ledger._flush_forever`); a crash before that makes the
-worker settle them again (settlement is idempotent). An admission lost in a crash is written
-again by its settlement. Only a worker lost together with the database, within the flush delay
-(a fraction of a second), loses a settlement.
+Durability and the client's clock: admission commits without waiting for its WAL flush (an
+admission lost in a database crash is written again by its settlement). Settlements are
+committed durably, in batches (one transaction for those queued at that moment), by a writer
+greenlet after the answer's last bytes have left (docs/METERING.md, "When the usage event is
+final"); a settlement that fails is retried until it commits. A generation's slot and hold
+stay taken until then, so a refusal for the in-flight limit or credits first waits for this
+worker's outstanding settlements of the org (or, with none, a moment for another worker's) and
+asks once more.
 """
 import json
 import logging
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
+import gevent
 import psycopg
 import sqlalchemy as sa
 from gevent.event import Event
@@ -46,7 +49,11 @@ from .worker import Admitter, Renewer, SettlementWriter
 
 log = logging.getLogger(__name__)
 
-ADMIT_ATTEMPTS = 3
+ADMIT_ATTEMPTS = 4
+# Refusals that a settlement about to commit may lift (its slot and hold come back), and how
+# long to wait for another worker's before asking again.
+SETTLING_REASONS = frozenset({"in_flight", "credits", "key_limit"})
+RECHECK_S = 0.02
 ABANDONED_ERROR = "lease expired: the worker serving this request was lost"
 
 
@@ -154,7 +161,7 @@ class Ledger:
         self.store = PostgresStore(engine) if is_postgres(engine) else SqliteStore(engine)
         self.config = config
         self.catalog = catalog
-        self._admitter = Admitter(self.store)
+        self._admitter = Admitter(self.store, on_orphan=self._settle_orphan)
         self._renewer = Renewer(self.store, config.lease_ttl_s)
         self._writer = SettlementWriter(self.store, metrics, on_committed=self._renewer.forget)
 
@@ -172,7 +179,7 @@ class Ledger:
         :raises KeyLimitExceeded: 402, the key's spend limit does not cover the hold.
         :raises ServiceUnavailable: 503, the database is unreachable or too busy.
         """
-        reclaimed = False
+        reclaimed = rechecked = False
         for _ in range(ADMIT_ATTEMPTS):
             row = self._admit_once(request)
             if row is None:  # no balance row: the org cannot pay
@@ -184,6 +191,11 @@ class Ledger:
                 reclaimed = True
                 self.sweep(org_id=request.org_id)
                 continue
+            if reason in SETTLING_REASONS and not rechecked:
+                rechecked = True  # the org's last answers may not be settled yet
+                if not self._writer.wait_for(self.config.settle_wait_s, org_id=request.org_id):
+                    gevent.sleep(RECHECK_S)
+                continue
             if reason != "retry":
                 raise _rejection(reason, request, available, remaining, period)
         raise RateLimited("Too many concurrent admissions for this organization. Retry with "
@@ -191,14 +203,23 @@ class Ledger:
 
     def _admit_once(self, request):
         try:
-            return self._admitter.admit(request)
-        except sa.exc.TimeoutError as err:
+            return self._admitter.admit(request, timeout_s=self.config.db_pool_timeout_s + 1)
+        except (sa.exc.TimeoutError, gevent.Timeout) as err:
             raise _database_busy() from err
         except (sa.exc.DBAPIError, psycopg.Error, OSError) as err:
             log.error("admission failed: database unavailable: %s", err)
             raise ServiceUnavailable("Kiln cannot reach its database; retry with backoff.",
                                      code="database_unavailable",
                                      headers={"Retry-After": "5"}) from err
+
+    def _settle_orphan(self, request, row):
+        """Settle at once an admission that came back after its request gave up waiting (the
+        client was told 503 ``database_busy``): nothing billed, its slot and hold released."""
+        self.settle(Settlement(
+            gid=row[0], org_id=request.org_id, key_id=request.key_id, model=request.model,
+            stream=request.stream, status="error", usage=Usage(), cost_nanos=0,
+            http_status=503, error="the database answered after the request gave up waiting",
+            error_code="database_busy", started_at=row[1]))
 
     # -- live leases and settlement ----------------------------------------------------------
 
@@ -223,6 +244,11 @@ class Ledger:
         """Wait up to ``timeout_s`` for every queued settlement to commit; return whether all
         did (graceful shutdown)."""
         return self._writer.wait_idle(timeout_s)
+
+    def wait_settled(self, timeout_s, gid=None, org_id=None):
+        """Wait up to ``timeout_s`` for this worker's outstanding settlements of generation
+        ``gid`` or org ``org_id`` to commit; return whether there were any."""
+        return self._writer.wait_for(timeout_s, gid=gid, org_id=org_id)
 
     def renew_now(self):
         """Renew this worker's live leases now (they are renewed every third of the TTL, at
@@ -274,6 +300,9 @@ class NullLedger:
 
     def drain(self, timeout_s):
         return True
+
+    def wait_settled(self, timeout_s, gid=None, org_id=None):
+        return False
 
     def sweep(self, org_id=None, batch=200):
         return 0

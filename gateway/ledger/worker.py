@@ -39,35 +39,54 @@ def _take(queue, first):
 class Admitter:
     """Decides admissions in batches (``store.admit_batch``); :meth:`admit` waits for its own.
 
-    A batch is ordered by org, so that every batch locks org rows in the same order.
+    A batch is ordered by org, so that every batch locks org rows in the same order. A request
+    that stops waiting (its deadline passed while the database was stalled) and is admitted
+    after all is handed to ``on_orphan(request, row)``, which settles it at once.
     """
 
-    def __init__(self, store):
+    def __init__(self, store, on_orphan=None):
         self.store = store
+        self.on_orphan = on_orphan
         self._queue = Queue()
         self._greenlet = None
 
-    def admit(self, request):
+    def admit(self, request, timeout_s=None):
         """Return the admission row for ``request`` (see ``kiln_admit``); raise what the
-        database call raised."""
+        database call raised, or :class:`gevent.Timeout` after ``timeout_s``."""
         if self._greenlet is None:
             self._greenlet = gevent.spawn(self._run)
-        result = AsyncResult()
-        self._queue.put((request, result))
-        return result.get()
+        waiter = _Waiter(request)
+        self._queue.put(waiter)
+        try:
+            return waiter.result.get(timeout=timeout_s)
+        except gevent.Timeout:
+            waiter.orphaned = True
+            raise
 
     def _run(self):
         while True:
             batch = sorted(_take(self._queue, self._queue.get()),
-                           key=lambda item: (item[0].org_id, item[0].gid))
+                           key=lambda w: (w.request.org_id, w.request.gid))
             try:
-                rows = self.store.admit_batch([request for request, _ in batch])
+                rows = self.store.admit_batch([w.request for w in batch])
             except Exception as err:  # noqa: BLE001 - handed to each waiting request
-                for _, result in batch:
-                    result.set_exception(err)
+                for waiter in batch:
+                    waiter.result.set_exception(err)
                 continue
-            for (_, result), row in zip(batch, rows, strict=True):
-                result.set(row)
+            for waiter, row in zip(batch, rows, strict=True):
+                if not waiter.orphaned:
+                    waiter.result.set(row)
+                elif row is not None and row[0] is not None and self.on_orphan is not None:
+                    self.on_orphan(waiter.request, row)
+
+
+class _Waiter:
+    """One request waiting for its admission."""
+
+    __slots__ = ("request", "result", "orphaned")
+
+    def __init__(self, request):
+        self.request, self.result, self.orphaned = request, AsyncResult(), False
 
 
 class SettlementWriter:
@@ -78,7 +97,7 @@ class SettlementWriter:
         self.metrics = metrics
         self.on_committed = on_committed  # gid -> None, once committed
         self._queue = Queue()
-        self._outstanding = 0  # queued or being written
+        self._outstanding = {}  # gid -> Settlement, queued or being written
         self._idle = Event()
         self._idle.set()
         self._greenlet = None
@@ -86,7 +105,7 @@ class SettlementWriter:
     def put(self, settlement):
         if self._greenlet is None:
             self._greenlet = gevent.spawn(self._write_forever)
-        self._outstanding += 1
+        self._outstanding[settlement.gid] = settlement
         self._idle.clear()
         self._queue.put(settlement)
 
@@ -94,11 +113,22 @@ class SettlementWriter:
         """Wait up to ``timeout_s`` until nothing is outstanding; return whether so."""
         return self._idle.wait(timeout_s)
 
+    def wait_for(self, timeout_s, gid=None, org_id=None):
+        """Wait up to ``timeout_s`` for the outstanding settlements of generation ``gid`` or of
+        org ``org_id`` to commit; return whether there were any."""
+        waiting = [s for s in list(self._outstanding.values())
+                   if s.gid == gid or s.org_id == org_id]
+        deadline = time.monotonic() + timeout_s
+        for settlement in waiting:
+            settlement.committed.wait(max(0.0, deadline - time.monotonic()))
+        return bool(waiting)
+
     def _write_forever(self):
         while True:
             batch = _take(self._queue, self._queue.get())
             self._write(batch)
-            self._outstanding -= len(batch)
+            for settlement in batch:
+                self._outstanding.pop(settlement.gid, None)
             if not self._outstanding:
                 self._idle.set()
 

@@ -1,0 +1,67 @@
+"""The ledger's greenlets in one worker (gateway/ledger/worker.py), with a scripted store: an
+admission that waits past its deadline gives up and is settled when the database answers
+after all; waiting for an org's or a generation's outstanding settlements."""
+import gevent
+import pytest
+from gevent.event import Event
+
+from gateway.billing import Usage
+from gateway.ledger import Settlement
+from gateway.ledger.worker import Admitter, SettlementWriter
+
+pytestmark = pytest.mark.unit
+
+
+class Request:
+    def __init__(self, gid, org_id=1):
+        self.gid, self.org_id = gid, org_id
+
+
+class StalledStore:
+    """``admit_batch`` answers only once ``release`` is set; ``settle_batch`` likewise."""
+
+    def __init__(self):
+        self.release = Event()
+        self.settled = []
+
+    def admit_batch(self, requests):
+        self.release.wait()
+        return [(r.gid, "t0", None, None, None, None, None, None) for r in requests]
+
+    def settle_batch(self, batch):
+        self.release.wait()
+        self.settled += [s.gid for s in batch]
+        return {s.gid: s.cost_nanos for s in batch}
+
+
+def settlement(gid, org_id):
+    return Settlement(gid=gid, org_id=org_id, key_id=1, model="m", stream=False,
+                      status="completed", usage=Usage(prompt=1), cost_nanos=7)
+
+
+def test_an_admission_past_its_deadline_gives_up_and_is_settled_when_it_lands():
+    store, orphans = StalledStore(), []
+    admitter = Admitter(store, on_orphan=lambda request, row: orphans.append((request, row)))
+    with pytest.raises(gevent.Timeout):
+        admitter.admit(Request("gen-late"), timeout_s=0.05)
+    assert orphans == []
+    store.release.set()
+    row = admitter.admit(Request("gen-next"), timeout_s=1)  # the queue goes on
+    assert row[0] == "gen-next"
+    assert [(r.gid, row[0]) for r, row in orphans] == [("gen-late", "gen-late")]
+
+
+def test_waiting_for_an_orgs_outstanding_settlements():
+    store = StalledStore()
+    writer = SettlementWriter(store)
+    assert writer.wait_for(1, org_id=1) is False  # nothing outstanding: no wait
+    first, other = settlement("gen-a", 1), settlement("gen-b", 2)
+    writer.put(first)
+    writer.put(other)
+    gevent.sleep(0)
+    assert writer.wait_for(0.05, org_id=1) is True and not first.committed.is_set()
+    gevent.spawn_later(0.05, store.release.set)
+    assert writer.wait_for(2, org_id=1) is True
+    assert first.committed.is_set() and first.debited == 7
+    assert writer.wait_idle(2) and writer.wait_for(1, gid="gen-b") is False
+    assert sorted(store.settled) == ["gen-a", "gen-b"]
