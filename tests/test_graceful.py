@@ -1,6 +1,8 @@
 """Graceful stop and reload of real gunicorn with streams in flight: running streams finish whole,
 new connections are served (after HUP by the new workers), and every admitted request ends with
-a final usage event — the books balance (``balance = Σ grants − Σ costs``) afterwards."""
+a final usage event — the books balance (``balance = Σ grants − Σ costs``) afterwards. A worker
+that stops (TERM, or replaced by HUP) with settlements still queued in its settlement writer
+commits them before it exits."""
 import functools
 import json
 import re
@@ -10,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -218,3 +221,76 @@ def test_an_idle_keep_alive_connection_does_not_hold_a_stop(start_gateway, fake)
         # Generous bound: gunicorn's keepalive (5 s) plus slack; not the 60 s of nginx's old
         # idle timeout, nor the 120 s graceful timeout.
         assert gw.proc.wait(30) == 0
+
+
+# -- the settlement writer drains before a worker exits (deploy/gunicorn.conf.py, worker_exit) ---
+
+def _locked_balance(engine, org):
+    """Lock the org's balance row in an open transaction (a slow database, as a settlement
+    sees it): settlements wait for it, queued in the worker's writer. Return the connection;
+    its ``rollback()`` releases the lock."""
+    conn = engine.connect()
+    conn.execute(sa.text("SELECT balance_nanos FROM credit_balances WHERE org_id = :o "
+                         "FOR UPDATE"), {"o": org.id})
+    return conn
+
+
+def _statuses(engine, gids):
+    with engine.connect() as conn:
+        return sorted(conn.execute(sa.text("SELECT status FROM usage_events WHERE id = ANY(:g)"),
+                                   {"g": list(gids)}).scalars())
+
+
+def _answered_with_settlements_outstanding(gw, engine, org):
+    """Run four streams to their end while their settlements are held back by a lock on the
+    org's balance row; return the streams' ids and the lock's connection."""
+    streams = open_streams(gw, org, 4)  # admitted: admission locks the same row
+    lock = _locked_balance(engine, org)
+    assert_whole(streams)  # each answer waited KILN_SETTLE_WAIT_S, then went out
+    gids = [s.gid for s in streams]
+    assert _statuses(engine, gids) == ["pending"] * 4  # outstanding in the writer
+    return gids, lock
+
+
+def test_sigterm_waits_for_the_settlement_writer_to_commit(start_gateway, slow_streams, engine):
+    """A worker stopped with settlements still queued commits them before it exits (the lease
+    TTL is the default minute: no sweeper is what settles them)."""
+    gw = start_gateway(workers=1, graceful_timeout=30, settle_wait_s=0.2, settle_drain_s=30)
+    org = make_org(engine, "graceful-drain-term")
+    gids, lock = _answered_with_settlements_outstanding(gw, engine, org)
+    try:
+        gw.signal(signal.SIGTERM)
+        wait_until(lambda: refused(gw.base_url + "/healthz"), timeout_s=30)
+        time.sleep(2)
+        assert gw.proc.poll() is None, "the worker exited with settlements queued"
+        assert _statuses(engine, gids) == ["pending"] * 4
+    finally:
+        lock.rollback()
+        lock.close()
+    assert gw.proc.wait(30) == 0
+    assert _statuses(engine, gids) == ["completed"] * 4  # committed before the exit
+    assert_books_balance(engine, org, gids)
+    assert "settlements still queued at exit" not in gw.log()
+
+
+def test_a_worker_replaced_by_hup_commits_its_queued_settlements(start_gateway, slow_streams,
+                                                                   engine):
+    gw = start_gateway(workers=1, graceful_timeout=30, settle_wait_s=0.2, settle_drain_s=30)
+    org = make_org(engine, "graceful-drain-hup")
+    gids, lock = _answered_with_settlements_outstanding(gw, engine, org)
+    old = set(gw.worker_pids())
+    try:
+        gw.signal(signal.SIGHUP)
+        wait_until(lambda: set(gw.worker_pids()) - old, timeout_s=60, interval_s=0.1)
+        # The master has told the old worker to stop once it closes its listening socket.
+        wait_until(lambda: not old & listening_pids(gw.port), timeout_s=30, interval_s=0.1)
+        time.sleep(2)
+        assert old <= set(gw.worker_pids()), "the old worker exited with settlements queued"
+        assert _statuses(engine, gids) == ["pending"] * 4
+    finally:
+        lock.rollback()
+        lock.close()
+    wait_until(lambda: not old & set(gw.worker_pids()), timeout_s=30, interval_s=0.1)
+    assert _statuses(engine, gids) == ["completed"] * 4  # committed by the old worker
+    assert_books_balance(engine, org, gids)
+    assert gw.proc.poll() is None and "settlements still queued at exit" not in gw.log()

@@ -1,14 +1,17 @@
 """The ledger when the database fails (README "Metering"; docs/METERING.md, "When the usage
-event is final"), on a private Postgres cluster that the tests stop and crash:
+event is final"), on a Postgres cluster of the test's own (``tests/pg_cluster.py``: made with
+``pg_createcluster``, stopped and crashed with ``pg_ctlcluster``):
 
 - Postgres stopped while generations finish: every settlement is retried until it commits, with
   the real usage; ``kiln credits reconcile`` is clean afterwards.
-- Under load, a worker killed with SIGKILL and Postgres crashed (immediate stop) mid-run: every
-  answer a client saw has exactly one usage event whose cost is the one it was told, no balance
-  is below zero, no lease is left, and reconciliation is clean.
+- Under load, a worker killed with SIGKILL and Postgres restarted in immediate mode (a crash)
+  mid-run: every generation id a client saw, answered or cut by the kill, has exactly one usage
+  event, whose cost is the one the client was told; the gateway's own sweeper closes the killed
+  worker's; no balance is below zero, no lease is left, and reconciliation is clean.
 """
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -34,7 +37,12 @@ MESSAGES = [{"role": "user", "content": "Say hello"}]
 
 @pytest.fixture
 def cluster():
-    c = Cluster().start()
+    c = Cluster()
+    try:
+        c.start()
+    except subprocess.CalledProcessError as err:
+        c.destroy()
+        raise AssertionError(f"the test cluster did not start: {err.stderr}") from err
     engine = sa.create_engine(c.url, isolation_level="AUTOCOMMIT")
     with engine.connect() as conn:
         conn.execute(sa.text("CREATE DATABASE kiln"))
@@ -113,14 +121,17 @@ def test_settlements_wait_out_a_stopped_database(cluster, db, catalog_path, fake
 
 
 def client_load(gw, orgs, stop, seen):
-    """Requests in a loop until ``stop``: streams and JSON; record every answer's generation id,
-    whether the client saw it complete, and the cost it was told."""
+    """Requests in a loop until ``stop``: streams and JSON. Record each in ``seen`` as
+    ``(kind, gid, status, detail)``: ``answered`` (read whole; detail: the cost it was told),
+    ``cut`` (the connection broke after the id header arrived: a killed worker's),
+    ``refused`` (no id: refused before admission; detail: the error code) or ``lost``."""
     session = requests.Session()
     i = 0
     while not stop.is_set():
         org = orgs[i % len(orgs)]
         stream = i % 2 == 0
         i += 1
+        r = None
         try:
             r = session.post(gw.base_url + "/v1/chat/completions", headers=org.headers,
                              timeout=30, stream=stream,
@@ -130,11 +141,21 @@ def client_load(gw, orgs, stop, seen):
                                       if stream else {})})
             text = r.text
         except requests.RequestException:
-            continue  # a killed worker's connection: no answer was seen
+            gid = r.headers.get("X-Neocloud-Generation-Id") if r is not None else None
+            seen.append(("cut", gid, None, None) if gid else ("lost", None, None, None))
+            continue
         gid = r.headers.get("X-Neocloud-Generation-Id")
-        if gid is None:
-            continue  # refused before admission (503 while the database was down, 429)
-        seen.append((gid, r.status_code, _told_cost(text, stream)))
+        if gid is None:  # 503 while the database was down or busy, 429
+            seen.append(("refused", None, r.status_code, _error_code(text)))
+        else:
+            seen.append(("answered", gid, r.status_code, _told_cost(text, stream)))
+
+
+def _error_code(text):
+    try:
+        return json.loads(text)["error"]["code"]
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 def _told_cost(text, stream):
@@ -151,14 +172,27 @@ def _told_cost(text, stream):
     return None
 
 
+def busiest_worker(gw):
+    """Return the pid of the worker holding the most client connections (``ss -p``): the
+    clients' keep-alive connections stay with one worker, so it is serving some right now."""
+    out = subprocess.run(["ss", "-Htnp", "state", "established", f"sport = :{gw.port}"],
+                         capture_output=True, text=True, timeout=30, check=True).stdout
+    pids = [int(pid) for pid in re.findall(r"pid=(\d+)", out)]
+    workers = gw.worker_pids()
+    return max(workers, key=pids.count)
+
+
 def test_money_stays_exact_through_a_killed_worker_and_a_database_crash(
         cluster, db, catalog_path, fake):
+    """Six clients in a loop; a worker killed (SIGKILL) while it serves some of them, then
+    Postgres crashed and restarted (``pg_ctlcluster restart -m immediate``). Nothing is swept by
+    hand: the gateway's own sweeper closes the killed worker's generations."""
     gw = gateway_on(cluster, catalog_path, lease_ttl_s=3, sweep_interval_s=1)
     try:
         orgs = [make_org(db, f"crash-{i}-{uuid.uuid4().hex[:6]}", limit=4) for i in range(3)]
         fake.default = lambda record: (
-            sse([chat_chunk("x"), chat_chunk("y", finish_reason="stop"),
-                 chat_chunk(choices=False, usage=make_usage(9, 2))], delay_s=0.05)
+            sse([chat_chunk("x"), chat_chunk("y"), chat_chunk("z", finish_reason="stop"),
+                 chat_chunk(choices=False, usage=make_usage(9, 3))], delay_s=0.15)
             if (record.json or {}).get("stream") else
             json_reply(chat_completion("xy", usage=make_usage(9, 2))))
         stop, seen = threading.Event(), []
@@ -167,25 +201,16 @@ def test_money_stays_exact_through_a_killed_worker_and_a_database_crash(
         for t in clients:
             t.start()
         time.sleep(3)
-        os.kill(gw.worker_pids()[0], signal.SIGKILL)
+        os.kill(busiest_worker(gw), signal.SIGKILL)
         time.sleep(2)
         cluster.crash_and_restart()
         time.sleep(4)
         stop.set()
         for t in clients:
             t.join(60)
-        time.sleep(4)  # a lease TTL and more: the killed worker's leases expired
-        subprocess.run([KILN, "sweep"], env={"KILN_DATABASE_URL": cluster.db_url,
-                                             "KILN_MODELS": str(catalog_path)},
-                       check=True, capture_output=True, timeout=60)
-        gids = {gid for gid, _, _ in seen}
-        assert len(seen) > 50 and len(gids) == len(seen)
-        found = wait_until(lambda: (e := events(db, gids)) and all(
-            v["status"] != "pending" for v in e.values()) and e, timeout_s=60)
-        assert set(found) == gids  # every answer a client saw has its usage event
-        for gid, status, cost in seen:
-            if status == 200 and cost is not None:
-                assert Decimal(found[gid]["cost_nanos"]) / 10**9 == cost, found[gid]
+        _assert_faults_hit(seen, gw.log())
+        _assert_every_answer_has_one_event(db, seen)
+        assert "sweeper closed" in gw.log()  # the gateway's own sweeper, none run by hand
         with db.connect() as conn:
             assert conn.execute(sa.text("SELECT count(*) FROM in_flight")).scalar_one() == 0
             assert conn.execute(sa.text(
@@ -194,6 +219,36 @@ def test_money_stays_exact_through_a_killed_worker_and_a_database_crash(
         assert check.returncode == 0, check.stdout + check.stderr
     finally:
         gw.stop()
+
+
+def _assert_faults_hit(seen, log):
+    """The kill cut answers that had begun; during the restart, admissions were refused with
+    503 (the database unreachable or its connections all busy) and settlements retried."""
+    kinds = [kind for kind, *_ in seen]
+    assert kinds.count("answered") > 50, kinds
+    assert kinds.count("cut") >= 1, "the kill cut no stream that had its id"
+    codes = {(status, code) for kind, _, status, code in seen if kind == "refused"}
+    assert codes & {(503, "database_unavailable"), (503, "database_busy")}, codes
+    assert "settlement of" in log  # "... failed; retrying"
+
+
+def _assert_every_answer_has_one_event(db, seen):
+    """Every generation id a client saw has exactly one final usage event: the cost it was
+    told, if it was told one; the killed worker's closed by the sweeper (``abandoned``)."""
+    gids = [gid for _, gid, _, _ in seen if gid]
+    assert len(set(gids)) == len(gids)
+    found = wait_until(lambda: (e := events(db, gids)) and len(e) == len(gids) and all(
+        v["status"] != "pending" for v in e.values()) and e, timeout_s=30)
+    with db.connect() as conn:
+        assert conn.execute(sa.text("SELECT count(*) FROM usage_events WHERE id = ANY(:g)"),
+                            {"g": gids}).scalar_one() == len(gids)
+    for kind, gid, status, cost in seen:
+        if kind == "answered" and status == 200 and cost is not None:
+            assert Decimal(found[gid]["cost_nanos"]) / 10**9 == cost, found[gid]
+    cut = [found[gid] for kind, gid, _, _ in seen if kind == "cut"]
+    assert {e["status"] for e in cut} <= {"abandoned", "completed"}, cut
+    abandoned = [e for e in cut if e["status"] == "abandoned"]
+    assert abandoned and {e["error_code"] for e in abandoned} == {"lease_expired"}, cut
 
 
 # -- the ledger's statements, both dialects, without HTTP --------------------------------------
