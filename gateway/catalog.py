@@ -135,6 +135,17 @@ def load_catalog(path):
     return models
 
 
+def _check_image_sources(entry):
+    """``image_sources`` is a list among :data:`gateway.images.SOURCES`; ``private`` widens
+    ``http`` or ``https``, so it needs one of them."""
+    if not all(isinstance(s, str) and s in SOURCES for s in entry.image_sources):
+        raise CatalogError(f"catalog entry {entry.id!r}: image_sources must be a list among "
+                           f"{', '.join(SOURCES)}, not {list(entry.image_sources)}")
+    if "private" in entry.image_sources and not {"http", "https"} & set(entry.image_sources):
+        raise CatalogError(f"catalog entry {entry.id!r}: image_sources \"private\" widens "
+                           f"\"http\" or \"https\"; list one of them too")
+
+
 def _entry(raw):
     try:
         backends = tuple(Backend(**b) for b in raw["backends"])
@@ -155,9 +166,7 @@ def _entry(raw):
     if set(entry.extra_params) & set(PARAMETERS):
         raise CatalogError(f"catalog entry {entry.id!r}: extra_params may only name "
                            f"non-OpenAI parameters (Kiln decides the others)")
-    if not set(entry.image_sources) <= set(SOURCES):
-        raise CatalogError(f"catalog entry {entry.id!r}: image_sources must be among "
-                           f"{', '.join(SOURCES)}")
+    _check_image_sources(entry)
     prices = (pricing.input, pricing.cached_input, pricing.output)
     if min(prices) < 0:
         raise CatalogError(f"catalog entry {entry.id!r}: negative price")

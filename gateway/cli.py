@@ -18,7 +18,8 @@ from .account import org_credits
 from .catalog import load_catalog
 from .cli_catalog import catalog
 from .cli_db import db, pass_ctx
-from .cli_keys import LIST_COLUMNS, limit_changes, limit_options, list_line, parse_limit_usd
+from .cli_keys import (LIST_COLUMNS, POSITIVE_INTEGER, limit_changes, limit_options, list_line,
+                       parse_limit_usd)
 from .config import Config
 from .db import create_engine, is_postgres, storable_text, utcnow
 from .ledger import Ledger
@@ -136,7 +137,7 @@ def org():
 
 @org.command("create")
 @click.argument("name")
-@click.option("--limit", type=click.IntRange(1), default=None,
+@click.option("--limit", type=POSITIVE_INTEGER, default=None,
               help="In-flight limit (default: KILN_DEFAULT_IN_FLIGHT_LIMIT).")
 @pass_ctx
 def org_create(ctx, name, limit):
@@ -152,7 +153,7 @@ def org_create(ctx, name, limit):
 
 @org.command("set")
 @click.argument("ref")
-@click.option("--limit", type=click.IntRange(1), default=None, help="In-flight limit.")
+@click.option("--limit", type=POSITIVE_INTEGER, default=None, help="In-flight limit.")
 @click.option("--status", type=click.Choice(["active", "suspended"]), default=None)
 @pass_ctx
 def org_set(ctx, ref, limit, status):
@@ -328,7 +329,7 @@ def credits_reconcile(ctx):
 
 @main.command()
 @click.argument("state", type=click.Choice(["on", "off", "status"]))
-@click.option("--retry-after", "retry_after_s", type=click.IntRange(1), default=300,
+@click.option("--retry-after", "retry_after_s", type=POSITIVE_INTEGER, default=300,
               help="Seconds sent in Retry-After.")
 @click.option("--message", type=Text(1000), default=None)
 @pass_ctx

@@ -16,7 +16,9 @@ from .keys import RESETS, key_view
 # Admission compares the limit in BIGINT nano-dollars; SQLite's NUMERIC is a binary float,
 # exact to 15 significant digits (see ``kiln credits grant``).
 MAX_LIMIT_USD = {True: Decimal(2**63 - 1).scaleb(-9), False: Decimal("999999.999999999")}
-RPM = click.IntRange(1, 2**31 - 1)
+# A count or a number of seconds the CLI writes to an INTEGER column (Postgres: 32 bits):
+# a larger value is refused with the range, not stored out of range or crashed on.
+POSITIVE_INTEGER = click.IntRange(1, 2**31 - 1)
 # Plain decimal notation, as ``kiln credits grant`` takes it: no exponent, NaN or Infinity.
 PLAIN_DECIMAL = re.compile(r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)")
 LIST_COLUMNS = ("prefix", "label", "limit_usd", "limit_reset", "usage_usd", "remaining_usd",
@@ -51,7 +53,8 @@ def limit_options(command):
                          help="Spend limit in USD (exact decimal)."),
             click.option("--reset", type=click.Choice([*RESETS, "never"]), default=None,
                          help="When the spend limit starts again (UTC); default never."),
-            click.option("--rpm", type=RPM, default=None, help="Requests per minute."))):
+            click.option("--rpm", type=POSITIVE_INTEGER, default=None,
+                         help="Requests per minute."))):
         command = option(command)
     return command
 

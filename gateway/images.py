@@ -6,11 +6,17 @@ URL naming a loopback, private or link-local address (a cloud metadata service a
 request forgery, OWASP). Each catalog entry lists the sources it forwards (``image_sources``):
 
 - ``data``: ``data:image/{png,jpeg,gif,webp};base64,...`` URLs whose bytes are that type;
-- ``https`` / ``http``: URLs on public addresses (host names are resolved; every address
-  must be public);
-- ``private``: also URLs on private addresses (an operator's own image store).
+- ``https`` / ``http``: URLs of that scheme on public addresses (host names are resolved; every
+  address must be public); each scheme is listed on its own;
+- ``private``: the listed schemes may also name private-use addresses (10/8, 172.16/12,
+  192.168/16, 100.64/10, fc00::/7: an operator's own image store) and local host names
+  (``.internal``, ``.lan``, no dot); loopback, link-local (the cloud metadata service) and
+  other reserved addresses stay refused.
 
 The default is ``data`` and ``https``. Anything else is refused with 400 ``invalid_image_url``.
+An IPv6 address that carries an IPv4 one (IPv4-mapped ``::ffff:0:0/96``, IPv4-compatible
+``::/96``, NAT64 ``64:ff9b::/96`` of RFC 6052, 6to4 ``2002::/16`` of RFC 3056) is judged by that
+IPv4 address; the local-use NAT64 prefix ``64:ff9b:1::/48`` (RFC 8215) is never public.
 A host name can resolve differently when the backend fetches it (DNS rebinding): Kiln checks the
 addresses it sees; an operator who needs more blocks egress from the model servers.
 """
@@ -33,6 +39,13 @@ MAGIC = {"image/png": (b"\x89PNG\r\n\x1a\n",), "image/jpeg": (b"\xff\xd8\xff",),
          "image/gif": (b"GIF87a", b"GIF89a"), "image/webp": (b"RIFF",)}
 _DATA_URL = re.compile(r"data:([a-z/+.-]+);base64,", re.IGNORECASE)
 LOCAL_SUFFIXES = (".localhost", ".local", ".internal", ".lan", ".home.arpa", ".intranet")
+PRIVATE_USE = tuple(ipaddress.ip_network(n) for n in (
+    "10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "100.64.0.0/10", "fc00::/7"))
+# IPv6 prefixes whose last 32 bits are an IPv4 address a gateway or the host's stack reaches:
+# IPv4-compatible (RFC 4291, 2.5.5.1; also :: and ::1), SIIT (RFC 2765), NAT64 (RFC 6052).
+IPV4_IN_LAST_32_BITS = tuple(ipaddress.ip_network(n) for n in (
+    "::/96", "::ffff:0:0:0/96", "64:ff9b::/96"))
+LOCAL_NAT64 = ipaddress.ip_network("64:ff9b:1::/48")  # RFC 8215: never globally reachable
 
 
 def check_image_url(value, param, sources=DEFAULT_SOURCES):
@@ -82,21 +95,20 @@ def _check_host(url, param, private_ok):
         raise _refused(param, "the URL is malformed") from err
     if not host or parts.username is not None or parts.password is not None:
         raise _refused(param, "the URL needs a host and no user name or password")
-    if private_ok:
-        return
-    for address in _addresses(host, param):
-        if not _is_public(address):
-            raise _refused(param, "the URL names a loopback, private, link-local or reserved "
-                                  "address")
+    for address in _addresses(host, param, private_ok):
+        if not _allowed(address, private_ok):
+            raise _refused(param, "the URL names a loopback, link-local or reserved address"
+                           if private_ok else "the URL names a loopback, private, link-local "
+                           "or reserved address")
 
 
-def _addresses(host, param):
+def _addresses(host, param, private_ok):
     try:
         return [ipaddress.ip_address(host)]
     except ValueError:
         pass
     name = host.rstrip(".").lower()
-    if "." not in name or name.endswith(LOCAL_SUFFIXES):
+    if not private_ok and ("." not in name or name.endswith(LOCAL_SUFFIXES)):
         raise _refused(param, "the URL names a local host")
     try:
         with gevent.Timeout(RESOLVE_TIMEOUT_S):
@@ -106,11 +118,26 @@ def _addresses(host, param):
     return [ipaddress.ip_address(info[4][0].split("%")[0]) for info in infos]
 
 
-def _is_public(address):
-    mapped = getattr(address, "ipv4_mapped", None)
-    if mapped is not None:
-        address = mapped
-    return address.is_global and not address.is_multicast
+def _allowed(address, private_ok):
+    """Whether an image URL may name ``address``: public, or private-use with ``private_ok``."""
+    address = embedded_ipv4(address)
+    if address.is_multicast or address in LOCAL_NAT64:
+        return False
+    return address.is_global or private_ok and any(address in n for n in PRIVATE_USE)
+
+
+def embedded_ipv4(address):
+    """Return the IPv4 address an IPv6 ``address`` carries (mapped, compatible, SIIT, NAT64,
+    6to4), else ``address`` itself."""
+    if address.version == 4:
+        return address
+    if address.ipv4_mapped is not None:
+        return address.ipv4_mapped
+    if address.sixtofour is not None:
+        return address.sixtofour
+    if any(address in n for n in IPV4_IN_LAST_32_BITS):
+        return ipaddress.IPv4Address(int(address) & 0xFFFFFFFF)
+    return address
 
 
 def _refused(param, why):

@@ -167,8 +167,8 @@ def _status_line(status):
 
 def upstream_message(body):
     """Return the backend's message from an error body (bytes), fit to quote to the client, or
-    None: an HTML page, an empty or oversized body, or a message longer than
-    :data:`MAX_QUOTED_CHARS` is not quoted.
+    None: an HTML page, bytes that are not UTF-8 (binary, or still compressed), an empty or
+    oversized body, or a message longer than :data:`MAX_QUOTED_CHARS` is not quoted.
 
     Understands the OpenAI envelope (vLLM, SGLang, llama.cpp), FastAPI's ``detail``
     (llama-cpp-python's validation errors, whose ``input`` echo is left out) and plain text.
@@ -177,7 +177,10 @@ def upstream_message(body):
     try:
         data = json.loads(body)
     except ValueError:  # includes bytes that are not UTF-8
-        text = body.decode("utf-8", "replace")
+        try:
+            text = body.decode("utf-8")
+        except UnicodeDecodeError:
+            return None
     else:
         text = _json_message(data)
     text = _clean(text or "")
@@ -222,10 +225,23 @@ def _looks_like_markup(text):
 
 
 def _read_small(resp, limit=65536):
-    try:
-        return resp.raw.read(limit) or b""
-    except (requests.RequestException, urllib3.exceptions.HTTPError, OSError):
+    """Return at most ``limit`` bytes of an error body, decoded (gzip, deflate): a proxy may
+    compress it although Kiln asks for identity. The bound is on the decoded bytes (urllib3
+    inflates no more than it is asked for), so a compressed bomb is not inflated whole. A body
+    that cannot be read or decoded, or in a coding urllib3 does not know, is empty (unquoted).
+    """
+    if not _decodable(resp.headers.get("Content-Encoding", "")):
         return b""
+    try:
+        return resp.raw.read(limit, decode_content=True) or b""
+    except (requests.RequestException, urllib3.exceptions.HTTPError, OSError):
+        return b""  # urllib3's DecodeError (a corrupt compressed body) is an HTTPError
+
+
+def _decodable(content_encoding):
+    codings = [c.strip() for c in content_encoding.lower().split(",") if c.strip()]
+    known = urllib3.HTTPResponse.CONTENT_DECODERS
+    return all(c == "identity" or c in known for c in codings)
 
 
 def close(resp):

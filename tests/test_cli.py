@@ -206,6 +206,43 @@ def test_org_limits_and_statuses_outside_the_rules_are_refused(db):
         assert conn.execute(sa.text("SELECT count(*) FROM orgs")).scalar_one() == 1
 
 
+INT_MAX = 2**31 - 1  # a Postgres INTEGER
+TOO_LARGE = [str(INT_MAX + 1), "9" * 20, "1" + "0" * 400]
+
+
+def test_integer_options_beyond_their_column_are_refused_and_nothing_is_written(db):
+    _, url, engine = db
+    org_id = int(kiln(url, "org", "create", "acme", "--limit", "4").stdout)
+    kiln(url, "key", "create", "acme", "--rpm", "60")
+    range_words = f"is not in the range 1<=x<={INT_MAX}"
+    for value in TOO_LARGE:
+        for args in (["org", "create", "big", "--limit", value],
+                     ["org", "set", "acme", "--limit", value],
+                     ["maintenance", "on", "--retry-after", value],
+                     ["key", "create", "acme", "--rpm", value]):
+            result = kiln(url, *args, check=False)
+            refused(result, "Invalid value for", range_words)
+            assert result.returncode == 2, (args, result.returncode)
+    with engine.connect() as conn:
+        assert conn.execute(sa.text("SELECT count(*) FROM orgs")).scalar_one() == 1
+        assert conn.execute(sa.text("SELECT rpm_limit FROM api_keys")).scalar_one() == 60
+    assert org_row(engine, org_id) == (4, "active")
+    assert "maintenance=off" in kiln(url, "maintenance", "status").stdout
+
+
+def test_integer_options_at_their_column_maximum_are_stored_as_given(db):
+    _, url, engine = db
+    org_id = int(kiln(url, "org", "create", "big", "--limit", str(INT_MAX)).stdout)
+    assert org_row(engine, org_id) == (INT_MAX, "active")
+    kiln(url, "org", "set", "big", "--limit", str(INT_MAX - 1))
+    assert org_row(engine, org_id) == (INT_MAX - 1, "active")
+    assert f"retry_after_s={INT_MAX} " in kiln(url, "maintenance", "on", "--retry-after",
+                                               str(INT_MAX)).stdout
+    kiln(url, "key", "create", "big", "--rpm", str(INT_MAX))
+    with engine.connect() as conn:
+        assert conn.execute(sa.text("SELECT rpm_limit FROM api_keys")).scalar_one() == INT_MAX
+
+
 @pytest.mark.parametrize("db", ["sqlite"], indirect=True)
 def test_what_org_set_changes_is_what_the_gateway_enforces(db, tmp_path):
     _, url, engine = db

@@ -351,6 +351,68 @@ def test_upstream_down_gets_502_json_envelope(nginx, upstream):
         assert err["type"] == "server_error"
 
 
+APP = "https://chat.example.com"
+ALLOW_APP = '    # "https://chat.example.com" $http_origin;\n'
+ALLOW_ANY = '    # "~." "*";\n'
+
+
+def _site_with(tmp_path, line):
+    """The shipped site with one commented line of the CORS map switched on."""
+    text = SITE.read_text()
+    assert text.count(line) == 1, line
+    path = tmp_path / "kiln.conf"
+    path.write_text(text.replace(line, line.replace("# ", "", 1)))
+    return path
+
+
+def _oversized(nginx, origin):
+    """A POST announcing 17 MiB (nginx answers 413 from Content-Length alone)."""
+    conn = _conn(nginx)
+    try:
+        conn.putrequest("POST", "/v1/chat/completions")
+        for name, value in (("Content-Type", "application/json"),
+                            ("Content-Length", str(17 * MiB)), ("Origin", origin)):
+            conn.putheader(name, value)
+        conn.endheaders()
+        resp = conn.getresponse()
+        return resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read()
+    finally:
+        conn.close()
+
+
+@requires_nginx
+@pytest.mark.parametrize("line,origin,allowed", [(ALLOW_APP, APP, APP),
+                                                 (ALLOW_APP, "https://other.example", None),
+                                                 (ALLOW_ANY, "https://other.example", "*")])
+def test_nginx_error_pages_name_an_allowed_origin(upstream, tmp_path, line, origin, allowed):
+    nginx = nginx_proc.start_nginx(_site_with(tmp_path, line), nginx_proc.free_port(),
+                                   upstream.addr, tmp_path / "nginx")
+    try:
+        status, headers, data = _oversized(nginx, origin)
+        assert status == 413
+        _assert_envelope(headers, data, "request_too_large")
+        assert headers.get("access-control-allow-origin") == allowed
+        # A response of the gateway passes with its own headers: nginx adds none to it,
+        # so an allowed origin is never named twice.
+        status, headers, _ = _request(nginx, "GET", "/nope", headers={"Origin": origin})
+        assert status == 404 and "access-control-allow-origin" not in headers
+        upstream.stop()
+        status, headers, data = _request(nginx, "POST", "/v1/chat/completions", body=b"{}",
+                                         headers={"Content-Type": "application/json",
+                                                  "Origin": origin})
+        assert status == 502
+        _assert_envelope(headers, data, "bad_gateway")
+        assert headers.get("access-control-allow-origin") == allowed
+    finally:
+        nginx.stop()
+
+
+@requires_nginx
+def test_nginx_error_pages_carry_no_cors_header_as_shipped(nginx):
+    status, headers, _ = _oversized(nginx, APP)
+    assert status == 413 and "access-control-allow-origin" not in headers
+
+
 @requires_nginx
 def test_metrics_allowed_from_loopback_address(nginx):
     status, _, body = _request(nginx, "GET", "/metrics")

@@ -1,7 +1,10 @@
 """What a backend's error answer becomes for the client, through gunicorn and the official SDK:
 one table from the backend's status (endpoint reference, "Errors"), the backend's status named in
 every message, and its words quoted only when they are a short message, never an HTML page."""
+import io
 import json
+import tracemalloc
+import zlib
 
 import openai
 import pytest
@@ -19,6 +22,29 @@ CONTEXT = "This model's maximum context length is 8192 tokens"
 def raw_reply(status, body, content_type):
     return [Status(status, {"Content-Type": content_type, "Content-Length": str(len(body))},
                    chunked=False), Send(body)]
+
+
+def compressed(encoding, data):
+    """``data`` in the HTTP content coding ``encoding`` (RFC 9110, 8.4.1)."""
+    packer = zlib.compressobj(wbits=31 if encoding == "gzip" else 15)
+    return packer.compress(data) + packer.flush()
+
+
+def compressed_reply(status, body, content_type, encoding):
+    """A backend error answer compressed by a proxy although Kiln asked for identity."""
+    data = compressed(encoding, body)
+    return [Status(status, {"Content-Type": content_type, "Content-Encoding": encoding,
+                            "Content-Length": str(len(data))}, chunked=False), Send(data)]
+
+
+def coded_reply(status, data, encoding):
+    """``data`` sent as it is, labelled with the content coding ``encoding``."""
+    return [Status(status, {"Content-Type": "application/json", "Content-Encoding": encoding,
+                            "Content-Length": str(len(data))}, chunked=False), Send(data)]
+
+
+def envelope(message):
+    return json.dumps({"error": {"message": message, "type": "invalid_request_error"}}).encode()
 
 
 def fastapi_422():
@@ -47,7 +73,23 @@ REJECTED = [
                  ["zzzz"], id="huge-body"),
     pytest.param(raw_reply(413, b"", "text/plain"), "HTTP 413", [], id="empty-body"),
     pytest.param(raw_reply(400, b"\xff\xfe\x00 not text", "application/octet-stream"),
-                 "HTTP 400", ["\x00"], id="binary-body"),
+                 "HTTP 400 Bad Request).", ["\x00", "\ufffd", "not text"], id="binary-body"),
+    pytest.param(compressed_reply(400, envelope(CONTEXT), "application/json", "gzip"),
+                 f"HTTP 400 Bad Request): {CONTEXT}", ["\ufffd"], id="gzip-envelope"),
+    pytest.param(compressed_reply(400, envelope(CONTEXT), "application/json", "deflate"),
+                 f"HTTP 400 Bad Request): {CONTEXT}", ["\ufffd"], id="deflate-envelope"),
+    pytest.param(compressed_reply(413, NGINX_413, "text/html", "gzip"),
+                 "HTTP 413 Request Entity Too Large).", ["<", "nginx", "center", "\ufffd"],
+                 id="gzip-nginx-413-page"),
+    pytest.param(compressed_reply(413, NGINX_413, "text/html", "deflate"),
+                 "HTTP 413 Request Entity Too Large).", ["<", "nginx", "center", "\ufffd"],
+                 id="deflate-nginx-413-page"),
+    pytest.param(compressed_reply(400, b"z" * 5_000_000, "text/plain", "gzip"),
+                 "HTTP 400 Bad Request).", ["zzzz"], id="gzip-huge-body"),
+    pytest.param(coded_reply(400, b"\x1f\x8bthis is not gzip data", "gzip"),
+                 "HTTP 400 Bad Request).", ["gzip data", "\ufffd"], id="corrupt-gzip"),
+    pytest.param(coded_reply(400, b"\x1f\x9dnot quoted as it is", "compress"),
+                 "HTTP 400 Bad Request).", ["quoted", "\ufffd"], id="unknown-coding"),
 ]
 
 
@@ -79,6 +121,42 @@ def test_a_backend_message_with_control_characters_is_quoted_clean_and_settled(c
     event = wait_until(lambda: (e := usage_event(engine, gid)) and e["status"] != "pending" and e)
     assert event["status"] == "rejected" and event["http_status"] == 400
     assert "bad value here" in event["error"]
+
+
+@pytest.mark.parametrize("encoding", ["gzip", "deflate"])
+def test_a_compressed_backend_message_is_stored_decoded(client, fake, org, engine, encoding):
+    fake.enqueue(compressed_reply(400, envelope(CONTEXT), "application/json", encoding))
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.with_raw_response.create(model="fake-model", messages=MESSAGES)
+    gid = err.value.response.headers["X-Neocloud-Generation-Id"]
+    event = wait_until(lambda: (e := usage_event(engine, gid)) and e["status"] != "pending" and e)
+    assert event["status"] == "rejected" and event["http_status"] == 400
+    assert event["error"].endswith(f"(HTTP 400 Bad Request): {CONTEXT}")
+
+
+@pytest.mark.unit
+def test_a_compressed_error_body_is_inflated_only_to_the_bound():
+    # 256 MiB of zeros in 256 KiB of gzip: what is read is 64 KiB, and so is what is inflated.
+    import requests
+    import urllib3
+
+    from gateway import upstream
+
+    packer = zlib.compressobj(wbits=31)
+    chunk = bytes(1 << 20)
+    bomb = b"".join(packer.compress(chunk) for _ in range(256)) + packer.flush()
+    resp = requests.Response()
+    resp.headers["Content-Encoding"] = "gzip"
+    resp.raw = urllib3.HTTPResponse(body=io.BytesIO(bomb), headers=resp.headers,
+                                    preload_content=False, decode_content=False)  # as requests
+    tracemalloc.start()
+    try:
+        body = upstream._read_small(resp)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert body == bytes(65536)
+    assert peak < 8 << 20, peak
 
 
 # (backend answer, status the client gets, text its body must hold)
