@@ -50,6 +50,25 @@ class UnsupportedParameter(InvalidRequest):
     code = "unsupported_parameter"
 
 
+class UnknownParameter(InvalidRequest):
+    """A field the API does not have (400 ``unknown_parameter``), as OpenAI refuses one."""
+
+    code = "unknown_parameter"
+
+    def __init__(self, param, message=None):
+        super().__init__(message or f"Unknown parameter: '{param}'.", param=param)
+
+
+def refuse_unknown_keys(obj, allowed, where):
+    """Refuse the first key of the object ``obj`` (at ``where``) that is not in ``allowed``.
+
+    :raises UnknownParameter: ``param`` = ``where.key`` (the key cut to 100 characters).
+    """
+    for key in obj:
+        if key not in allowed:
+            raise UnknownParameter(f"{where}.{key[:100]}")
+
+
 class Unauthorized(GatewayError):
     status = 401
     type = "invalid_request_error"

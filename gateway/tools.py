@@ -1,7 +1,12 @@
 """Tools in a request: ``tools``, ``tool_choice``, ``parallel_tool_calls``, the deprecated
 ``functions`` / ``function_call`` (rewritten into tools), and the tool calls of assistant
 messages sent back (endpoint reference, "Tools")."""
-from .errors import InvalidRequest, UnsupportedParameter
+from .errors import InvalidRequest, UnsupportedParameter, refuse_unknown_keys
+
+# The keys of a tool call sent back in an assistant message, and of its function (the openai
+# SDK's ``ChatCompletionMessageFunctionToolCallParam``); Kiln sends these and nothing else.
+CALL_KEYS = ("id", "type", "function")
+FUNCTION_CALL_KEYS = ("name", "arguments")
 
 
 def check_tools(tools):
@@ -67,15 +72,20 @@ def check_tool_calls(calls, where):
         if not isinstance(call, dict) or not isinstance(call.get("id"), str):
             raise InvalidRequest(f"Invalid '{where}[{i}]': expected a tool call with an 'id'.",
                                  param=f"{where}[{i}]", code="invalid_type")
+        if call.get("type", "function") != "function":  # Kiln's tools are functions only
+            raise InvalidRequest(f"Invalid '{where}[{i}].type': only 'function' tool calls are "
+                                 f"supported.", param=f"{where}[{i}].type", code="invalid_value")
         check_function_call(call.get("function"), f"{where}[{i}].function")
+        refuse_unknown_keys(call, CALL_KEYS, f"{where}[{i}]")
 
 
 def check_function_call(function, where):
-    """Check a function call: ``{"name": str, "arguments": str}``."""
+    """Check a function call: ``{"name": str, "arguments": str}``, no other key."""
     if not (isinstance(function, dict) and isinstance(function.get("name"), str)
             and isinstance(function.get("arguments", ""), str)):
         raise InvalidRequest(f"Invalid '{where}': expected an object with a 'name' and string "
                              f"'arguments'.", param=where, code="invalid_type")
+    refuse_unknown_keys(function, FUNCTION_CALL_KEYS, where)
 
 
 def check_tool_choice(choice, entry):
