@@ -1,7 +1,7 @@
 """Gateway errors and their rendering in the OpenAI error envelope.
 
-Every error leaves as ``{"error": {"message", "type", "param", "code"}}`` (endpoint reference,
-"Errors"), except upstream failures (502), whose body is plain text as the reference documents.
+Every error leaves as ``{"error": {"message", "type", "param", "code"}}`` (README, "API"), except
+upstream failures (502), whose body is plain text (README, "API": a backend's error answer).
 """
 import json
 import logging
@@ -12,7 +12,7 @@ from werkzeug.exceptions import HTTPException
 
 log = logging.getLogger(__name__)
 
-# The id of the request's usage event, on every response of an admitted request (reference).
+# The id of the request's usage event, on every response of an admitted request (README).
 GENERATION_HEADER = "X-Neocloud-Generation-Id"
 
 
@@ -108,7 +108,7 @@ class RateLimited(GatewayError):
 
 
 class UpstreamError(GatewayError):
-    """The backend failed or was unreachable: 502 with a plain-text body (endpoint reference)."""
+    """The backend failed or was unreachable: 502 with a plain-text body (README, "API")."""
 
     status = 502
     type = "upstream_error"

@@ -30,7 +30,7 @@ class Family:
     """How one kind of model server reads a chat request."""
 
     name: str
-    params: frozenset            # optional OpenAI (or reference) parameters it reads
+    params: frozenset            # optional parameters it reads (docs/PARAMETERS.md)
     length_fields: tuple         # where it reads the completion cap; Kiln writes each
     developer_role: bool = False  # its chat templates know the ``developer`` role
     text_parts: bool = True       # it reads text content as an array of parts for every role

@@ -107,7 +107,7 @@ def _chat_request():
                        "refuses (docs/PARAMETERS.md); any other field is 400 "
                        "`unknown_parameter` unless the model's catalog entry allows it by "
                        "name (`extra_params`).",
-        # stream_options needs stream true (endpoint reference).
+        # stream_options needs stream true (docs/PARAMETERS.md, ``stream_options``).
         "if": {"required": ["stream_options"],
                "properties": {"stream_options": {"type": "object"}}},
         "then": {"required": ["stream"], "properties": {"stream": {"enum": TRUE_STREAM}}},

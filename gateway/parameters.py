@@ -1,7 +1,7 @@
 """The request's parameters other than ``messages``: what a client may send, and the body Kiln
 builds for each backend from it (:func:`upstream_body`).
 
-Every parameter of the endpoint reference and of the current OpenAI chat API has one row in
+Every parameter of the current OpenAI chat API and of the model servers Kiln fronts has one row in
 :data:`PARAMETERS`: Kiln writes it itself, forwards it to the backend families that read it,
 accepts and drops it, or refuses it; docs/PARAMETERS.md is the same table in prose. Any other
 top-level field is refused (400, ``param`` naming it) unless the model's catalog entry allows it
@@ -195,7 +195,7 @@ def _modalities(value, name, entry):
 
 def _ignore_eos(value, name, entry):
     _type(bool, "a boolean")(value, name, entry)
-    if value and entry.family == "gpt-oss":  # the endpoint reference's 400
+    if value and entry.family == "gpt-oss":  # docs/PARAMETERS.md, ``ignore_eos``
         raise UnsupportedParameter("ignore_eos is not supported on gpt-oss models: remove it.",
                                    param="ignore_eos")
 
@@ -208,7 +208,8 @@ def _response_format(fmt, name, entry):
         raise InvalidRequest("Invalid 'response_format.type': expected text, json_object or "
                              "json_schema.", param="response_format", code="invalid_value")
     if not entry.response_format:
-        # The reference documents 200 with empty content here; refuse clearly instead.
+        # Such a model answers 200 with empty content; refuse clearly instead
+        # (docs/PARAMETERS.md, ``response_format``).
         raise UnsupportedParameter(f"response_format {kind} is not supported on model "
                                    f"'{entry.id}': ask for JSON in the prompt instead.",
                                    param="response_format")
@@ -265,7 +266,7 @@ def is_int(value):
 # -- stream and length ------------------------------------------------------------------------
 
 def _stream(value):
-    """Read ``stream`` as the reference does: ``true``, ``"true"``, ``1`` are true; ``false``,
+    """Read ``stream`` as docs/PARAMETERS.md says: ``true``, ``"true"``, ``1`` are true; ``false``,
     ``"false"``, ``0``, ``null`` are false; nothing else (not ``"1"``, ``1.0``, ``"True"``)."""
     integer = is_int(value)
     if value is True or value == "true" or (integer and value == 1):

@@ -1,6 +1,6 @@
 """Tools in a request: ``tools``, ``tool_choice``, ``parallel_tool_calls``, the deprecated
 ``functions`` / ``function_call`` (rewritten into tools), and the tool calls of assistant
-messages sent back (endpoint reference, "Tools")."""
+messages sent back (docs/PARAMETERS.md, ``tools`` and "Messages")."""
 from .errors import InvalidRequest, UnsupportedParameter, refuse_unknown_keys
 
 # The keys of a tool call sent back in an assistant message, and of its function (the openai
@@ -10,7 +10,7 @@ FUNCTION_CALL_KEYS = ("name", "arguments")
 
 
 def check_tools(tools):
-    """Check ``tools``: function tools, each with a name and a description (reference)."""
+    """Check ``tools``: function tools, each with a name and a description (docs/PARAMETERS.md)."""
     if tools is None:
         return
     if not isinstance(tools, list):
@@ -64,7 +64,8 @@ def rewrite_functions(body, params):
 
 
 def check_tool_calls(calls, where):
-    """Check an assistant message's ``tool_calls`` (sent back unchanged, reference)."""
+    """Check an assistant message's ``tool_calls``: function calls of the keys OpenAI allows
+    (docs/PARAMETERS.md, "Messages")."""
     if not isinstance(calls, list):
         raise InvalidRequest(f"Invalid '{where}': expected an array.", param=where,
                              code="invalid_type")
@@ -99,7 +100,8 @@ def check_tool_choice(choice, entry):
         raise InvalidRequest("Invalid 'tool_choice': expected 'auto', 'none', 'required' or "
                              "a named function.", param="tool_choice", code="invalid_value")
     if not entry.forced_tool_choice:
-        # The reference documents a silent 500 / empty arguments here; refuse clearly instead.
+        # Such a model answers a silent 500 or empty arguments; refuse clearly instead
+        # (docs/PARAMETERS.md, ``tool_choice``).
         raise UnsupportedParameter(f"Forced tool choice is not supported on model "
                                    f"'{entry.id}': send tool_choice \"auto\".",
                                    param="tool_choice")

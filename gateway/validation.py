@@ -1,10 +1,10 @@
 """The request contract of ``POST /v1/chat/completions``: the body and its messages, checked
 before admission.
 
-Rules follow the endpoint reference's "Request body" section and the message shapes of the
-current OpenAI chat API (roles ``developer``, ``system``, ``user``, ``assistant``, ``tool`` and
-the deprecated ``function``; content as a string or as parts). Where the reference documents a
-weakness (silent 500s, images on text-only models), Kiln refuses instead. A rejected request calls
+Rules follow README "API" and docs/PARAMETERS.md, "Messages": the message shapes of the current
+OpenAI chat API (roles ``developer``, ``system``, ``user``, ``assistant``, ``tool`` and the
+deprecated ``function``; content as a string or as parts). Where a model server fails silently
+(images on text-only models), Kiln refuses instead. A rejected request calls
 no backend, writes nothing and charges nothing. The other parameters are checked in
 :mod:`gateway.parameters`, which also builds the body each backend is sent; the JSON itself
 (numbers, nesting, text) in :mod:`gateway.json_body`.
@@ -164,7 +164,7 @@ def _model(body, catalog):
 
 def _messages(messages, entry):
     if messages is None or messages == []:
-        # Exactly as the endpoint reference's 400 example.
+        # OpenAI's own message for it, word for word.
         raise InvalidRequest("Invalid 'messages': the array must contain at least one message.",
                              param="messages", code="empty_array")
     if not isinstance(messages, list):
@@ -246,7 +246,7 @@ def _part(part, where, role, entry):
         _part_object(part[CACHE_BREAKPOINT], CACHE_BREAKPOINT, where)
     modality = PART_MODALITY.get(kind)
     if modality and modality not in entry.input:
-        # The reference warns images fail silently on text-only models; refuse instead.
+        # A text-only model ignores an image silently; refuse instead (docs/PARAMETERS.md).
         raise UnsupportedParameter(f"Invalid '{where}': model '{entry.id}' does not accept "
                                    f"{modality} input.", param=where)
     value = part.get(PART_FIELDS[kind])
@@ -291,7 +291,8 @@ def _assistant(message, where, entry):
     if audio is not None:
         refuse_unknown_keys(audio, {"id"}, f"{where}.audio")
     if message.get("content") is None:
-        # A tool-call, function-call, refusal or audio reply: content may be null (reference).
+        # A tool-call, function-call, refusal or audio reply: content may be null (OpenAI chat
+        # API; docs/PARAMETERS.md, "Messages").
         if tool_calls or any(message.get(k) is not None
                              for k in ("function_call", "refusal", "audio")):
             return False
