@@ -148,6 +148,46 @@ class ShuttingDown(ServiceUnavailable):
                          "generated is billed. Retry the request.")
 
 
+class DatabaseBusy(ServiceUnavailable):
+    """Every pooled database connection is busy: told at once, never a 500 after a long wait."""
+
+    code = "database_busy"
+
+    def __init__(self):
+        super().__init__("Kiln's database connections are all busy; retry with backoff.",
+                         headers={"Retry-After": "1"})
+
+
+class DatabaseUnavailable(ServiceUnavailable):
+    """The database is unreachable or failing over: nothing was admitted or charged."""
+
+    code = "database_unavailable"
+
+    def __init__(self):
+        super().__init__("Kiln cannot reach its database; retry with backoff.",
+                         headers={"Retry-After": "5"})
+
+
+class InternalError(GatewayError):
+    """Kiln itself failed: internals stay in the log, the client gets the envelope (500)."""
+
+    code = "internal_error"
+
+    def __init__(self, message="Internal error.", *, code=None):
+        super().__init__(message, code=code)
+
+
+class HTTPError(GatewayError):
+    """An error Flask or werkzeug raised (404 route, 405 method, ...), in the envelope; its
+    ``code`` is the status's name (``not_found``, ``method_not_allowed``)."""
+
+    def __init__(self, err):
+        super().__init__(err.description,
+                         code=(err.name or "error").lower().replace(" ", "_"))
+        self.status = err.code
+        self.type = "invalid_request_error" if err.code < 500 else "server_error"
+
+
 def json_error(status, envelope, headers=None):
     """Return a JSON response with ``envelope`` and ``status``."""
     return Response(json.dumps(envelope), status=status, mimetype="application/json",
@@ -164,33 +204,19 @@ def register_error_handlers(app):
 
     @app.errorhandler(HTTPException)
     def _http_error(err):
-        code = (err.name or "error").lower().replace(" ", "_")
-        kind = "invalid_request_error" if err.code < 500 else "server_error"
-        return json_error(err.code, {"error": {"message": err.description, "type": kind,
-                                               "param": None, "code": code}})
+        return HTTPError(err).to_response()
 
     @app.errorhandler(sa_exc.TimeoutError)
     def _database_busy(err):
-        # Every pooled connection is busy: told at once, never a 500 after a long wait.
-        g.kiln_error_code = "database_busy"
-        return json_error(503, {"error": {"message": "Kiln's database connections are all "
-                                                     "busy; retry with backoff.",
-                                          "type": "service_unavailable", "param": None,
-                                          "code": "database_busy"}}, {"Retry-After": "1"})
+        return _gateway_error(DatabaseBusy())
 
     @app.errorhandler(sa_exc.OperationalError)
     def _database_down(err):
-        # The database is unreachable or failing over: nothing was admitted or charged.
         log.error("database unavailable: %s", err.orig or err)
-        g.kiln_error_code = "database_unavailable"
-        return json_error(503, {"error": {"message": "Kiln cannot reach its database; retry "
-                                                     "with backoff.", "type": "service_unavailable",
-                                          "param": None, "code": "database_unavailable"}},
-                          {"Retry-After": "5"})
+        return _gateway_error(DatabaseUnavailable())
 
     @app.errorhandler(Exception)
     def _unexpected(err):
         # The one catch-all: internals stay in the log, the client gets the envelope.
         log.exception("unhandled error")
-        return json_error(500, {"error": {"message": "Internal error.", "type": "server_error",
-                                          "param": None, "code": "internal_error"}})
+        return InternalError().to_response()
