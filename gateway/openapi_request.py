@@ -155,11 +155,15 @@ def _assistant_message():
 
 def _function_tool():
     text = {"type": "string", "pattern": r"\S"}
-    return {"type": "object", "required": ["type", "function"], "properties": {
-        "type": {"const": "function"},
-        "function": {"type": "object", "required": ["name", "description"], "properties": {
-            "name": text, "description": {**text, "description": "Required, non-empty."},
-            "parameters": {"type": "object", "description": "JSON Schema of the arguments."}}}}}
+    function = {"type": "object", "required": ["name", "description"],
+                "additionalProperties": False, "properties": {
+                    "name": text,
+                    "description": {**text, "description": "Required, non-empty."},
+                    "parameters": {"type": "object",
+                                   "description": "JSON Schema of the arguments."},
+                    "strict": {"type": ["boolean", "null"]}}}
+    return {"type": "object", "required": ["type", "function"], "additionalProperties": False,
+            "properties": {"type": {"const": "function"}, "function": function}}
 
 
 def _tool_choice():

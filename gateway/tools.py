@@ -7,6 +7,12 @@ from .errors import InvalidRequest, UnsupportedParameter, refuse_unknown_keys
 # SDK's ``ChatCompletionMessageFunctionToolCallParam``); Kiln sends these and nothing else.
 CALL_KEYS = ("id", "type", "function")
 FUNCTION_CALL_KEYS = ("name", "arguments")
+# The keys of a function tool and of its definition (``ChatCompletionFunctionToolParam``,
+# ``FunctionDefinition``), of a deprecated ``functions`` entry, and of a named tool choice.
+TOOL_KEYS = ("type", "function")
+FUNCTION_KEYS = ("name", "description", "parameters", "strict")
+DEPRECATED_FUNCTION_KEYS = ("name", "description", "parameters")
+TOOL_CHOICE_KEYS = ("type", "function")
 
 
 def check_tools(tools):
@@ -21,13 +27,18 @@ def check_tools(tools):
         if not isinstance(tool, dict) or tool.get("type") != "function":
             raise InvalidRequest(f"Invalid '{where}.type': only 'function' tools are supported.",
                                  param=f"{where}.type", code="invalid_value")
-        _function_definition(tool.get("function"), f"{where}.function")
+        refuse_unknown_keys(tool, TOOL_KEYS, where)
+        _function_definition(tool.get("function"), f"{where}.function", FUNCTION_KEYS)
 
 
-def _function_definition(function, where):
+def _function_definition(function, where, keys):
     if not isinstance(function, dict):
         raise InvalidRequest(f"Missing required parameter: '{where}'.", param=where,
                              code="missing_required_parameter")
+    refuse_unknown_keys(function, keys, where)
+    if function.get("strict") is not None and not isinstance(function["strict"], bool):
+        raise InvalidRequest(f"Invalid '{where}.strict': expected a boolean.",
+                             param=f"{where}.strict", code="invalid_type")
     for field in ("name", "description"):
         value = function.get(field)
         if not isinstance(value, str) or not value.strip():
@@ -51,7 +62,7 @@ def rewrite_functions(body, params):
             raise InvalidRequest("Invalid 'functions': expected an array.", param="functions",
                                  code="invalid_type")
         for i, function in enumerate(functions):
-            _function_definition(function, f"functions[{i}]")
+            _function_definition(function, f"functions[{i}]", DEPRECATED_FUNCTION_KEYS)
         params["tools"] = [{"type": "function", "function": f} for f in functions]
     if call is not None:
         if call in ("auto", "none"):
@@ -99,6 +110,9 @@ def check_tool_choice(choice, entry):
     if not forced:
         raise InvalidRequest("Invalid 'tool_choice': expected 'auto', 'none', 'required' or "
                              "a named function.", param="tool_choice", code="invalid_value")
+    if isinstance(choice, dict):
+        refuse_unknown_keys(choice, TOOL_CHOICE_KEYS, "tool_choice")
+        refuse_unknown_keys(choice["function"], ("name",), "tool_choice.function")
     if not entry.forced_tool_choice:
         # Such a model answers a silent 500 or empty arguments; refuse clearly instead
         # (docs/PARAMETERS.md, ``tool_choice``).

@@ -1,6 +1,6 @@
-"""The keys a message, a content part and the objects inside them may carry: those of the current
-OpenAI chat API (the installed openai SDK's types), no other, and what a backend is sent of them
-(docs/PARAMETERS.md, "Messages"). Plain functions, no HTTP."""
+"""The keys a message, a content part, a tool and the objects inside them may carry: those of the
+current OpenAI chat API (the installed openai SDK's types), no other, and what a backend is sent
+of them (docs/PARAMETERS.md, "Messages"). Plain functions, no HTTP."""
 import base64
 
 import pytest
@@ -20,8 +20,14 @@ from openai.types.chat import chat_completion_content_part_input_audio_param as 
 from openai.types.chat import chat_completion_content_part_param as part_param
 from openai.types.chat import chat_completion_content_part_text_param as text_param
 from openai.types.chat import chat_completion_message_function_tool_call_param as call_param
+from openai.types.chat import chat_completion_named_tool_choice_param as choice_param
+from openai.types.chat import (ChatCompletionFunctionToolParam,
+                               ChatCompletionNamedToolChoiceParam)
+from openai.types.chat.completion_create_params import Function
+from openai.types.shared_params import FunctionDefinition
 
 from factories import model_entry
+from gateway import tools
 from gateway.errors import InvalidRequest
 from gateway.families import FAMILIES, SENT_KEYS, SENT_PART_KEYS
 from gateway.parameters import upstream_body
@@ -191,3 +197,53 @@ def test_no_family_is_sent_a_key_outside_the_sent_table(server):
             assert set(sent) <= set(SENT_KEYS[sent["role"]])
             for part in sent["content"] if isinstance(sent["content"], list) else ():
                 assert set(part) == {"type", part["type"]}
+
+
+# -- tools: the same rule for the tool definitions and tool choice sent with the request ------
+
+TOOL = {"type": "function", "function": {"name": "f", "description": "d",
+                                         "parameters": {"type": "object"}, "strict": True}}
+
+
+def test_the_tool_keys_accepted_are_exactly_the_openai_sdk_types():
+    assert set(tools.TOOL_KEYS) == keys(ChatCompletionFunctionToolParam)
+    assert set(tools.FUNCTION_KEYS) == keys(FunctionDefinition)
+    assert set(tools.DEPRECATED_FUNCTION_KEYS) == keys(Function)
+    assert set(tools.TOOL_CHOICE_KEYS) == keys(ChatCompletionNamedToolChoiceParam)
+    assert keys(choice_param.Function) == {"name"}
+
+
+def build_body(**fields):
+    model = model_entry("vllm", forced_tool_choice=True)
+    chat = validate_chat({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                          **fields}, {"m": model}, 100)
+    return upstream_body(chat, model.backends[0])
+
+
+def test_every_tool_key_openai_allows_is_accepted_and_sent():
+    choice = {"type": "function", "function": {"name": "f"}}
+    body = build_body(tools=[TOOL], tool_choice=choice)
+    assert body["tools"] == [TOOL] and body["tool_choice"] == choice
+
+
+@pytest.mark.parametrize("fields,param", [
+    ({"tools": [{**TOOL, "cache_control": {"type": "ephemeral"}}]}, "tools[0].cache_control"),
+    ({"tools": [{"type": "function", "function": {**TOOL["function"], "max_tokens": 9}}]},
+     "tools[0].function.max_tokens"),
+    ({"functions": [{"name": "f", "description": "d", "strict": True}]}, "functions[0].strict"),
+    ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "f"},
+                                       "x": 1}}, "tool_choice.x"),
+    ({"tools": [TOOL], "tool_choice": {"type": "function",
+                                       "function": {"name": "f", "arguments": "{}"}}},
+     "tool_choice.function.arguments"),
+])
+def test_tool_keys_openai_does_not_allow_are_refused_naming_themselves(fields, param):
+    with pytest.raises(InvalidRequest) as err:
+        build_body(**fields)
+    assert (err.value.param, err.value.code) == (param, "unknown_parameter")
+
+
+def test_a_strict_flag_that_is_not_a_boolean_is_refused():
+    with pytest.raises(InvalidRequest) as err:
+        build_body(tools=[{"type": "function", "function": {**TOOL["function"], "strict": 1}}])
+    assert (err.value.param, err.value.code) == ("tools[0].function.strict", "invalid_type")
