@@ -15,6 +15,7 @@ from .billing import from_nanos
 from .db import storable_text
 from .errors import InvalidRequest, NotFound
 from .models import credit_balances, usage_events
+from .outcomes import Status
 
 bp = Blueprint("account", __name__)
 
@@ -96,7 +97,8 @@ def generation_view(row):
         "prompt_tokens": row.prompt_tokens, "cached_tokens": row.cached_tokens,
         "completion_tokens": row.completion_tokens, "estimated": row.estimated,
         "total_tokens": row.prompt_tokens + row.completion_tokens,
-        "cost_usd": None if row.status == "pending" else format(from_nanos(row.cost_nanos), "f"),
+        "cost_usd": (None if row.status == Status.PENDING
+                     else format(from_nanos(row.cost_nanos), "f")),
         "hold_usd": format(from_nanos(row.hold_nanos), "f"), "error": row.error,
         "error_code": row.error_code, "anomaly": row.anomaly,
         "created_at": _iso(row.started_at), "first_token_at": _iso(row.first_token_at),

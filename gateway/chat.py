@@ -1,6 +1,6 @@
 """``POST /v1/chat/completions``, the view: read the body, check the contract, hand it to the flow.
 
-The endpoint reference is the contract; README "API" gives the order: auth, validation,
+README "API" and docs/PARAMETERS.md are the contract; README gives the order: auth, validation,
 maintenance, admission, backend, relay, settlement (the last four in :mod:`gateway.completions`).
 Reading and parsing the body are bounded in time and memory (:mod:`gateway.intake`).
 """

@@ -1,7 +1,7 @@
 """Gateway errors and their rendering in the OpenAI error envelope.
 
-Every error leaves as ``{"error": {"message", "type", "param", "code"}}`` (endpoint reference,
-"Errors"), except upstream failures (502), whose body is plain text as the reference documents.
+Every error leaves as ``{"error": {"message", "type", "param", "code"}}`` (README, "API"), except
+upstream failures (502), whose body is plain text (README, "API": a backend's error answer).
 """
 import json
 import logging
@@ -12,7 +12,7 @@ from werkzeug.exceptions import HTTPException
 
 log = logging.getLogger(__name__)
 
-# The id of the request's usage event, on every response of an admitted request (reference).
+# The id of the request's usage event, on every response of an admitted request (README).
 GENERATION_HEADER = "X-Neocloud-Generation-Id"
 
 
@@ -48,6 +48,25 @@ class InvalidRequest(GatewayError):
 
 class UnsupportedParameter(InvalidRequest):
     code = "unsupported_parameter"
+
+
+class UnknownParameter(InvalidRequest):
+    """A field the API does not have (400 ``unknown_parameter``), as OpenAI refuses one."""
+
+    code = "unknown_parameter"
+
+    def __init__(self, param, message=None):
+        super().__init__(message or f"Unknown parameter: '{param}'.", param=param)
+
+
+def refuse_unknown_keys(obj, allowed, where):
+    """Refuse the first key of the object ``obj`` (at ``where``) that is not in ``allowed``.
+
+    :raises UnknownParameter: ``param`` = ``where.key`` (the key cut to 100 characters).
+    """
+    for key in obj:
+        if key not in allowed:
+            raise UnknownParameter(f"{where}.{key[:100]}")
 
 
 class Unauthorized(GatewayError):
@@ -89,7 +108,7 @@ class RateLimited(GatewayError):
 
 
 class UpstreamError(GatewayError):
-    """The backend failed or was unreachable: 502 with a plain-text body (endpoint reference)."""
+    """The backend failed or was unreachable: 502 with a plain-text body (README, "API")."""
 
     status = 502
     type = "upstream_error"
@@ -129,6 +148,46 @@ class ShuttingDown(ServiceUnavailable):
                          "generated is billed. Retry the request.")
 
 
+class DatabaseBusy(ServiceUnavailable):
+    """Every pooled database connection is busy: told at once, never a 500 after a long wait."""
+
+    code = "database_busy"
+
+    def __init__(self):
+        super().__init__("Kiln's database connections are all busy; retry with backoff.",
+                         headers={"Retry-After": "1"})
+
+
+class DatabaseUnavailable(ServiceUnavailable):
+    """The database is unreachable or failing over: nothing was admitted or charged."""
+
+    code = "database_unavailable"
+
+    def __init__(self):
+        super().__init__("Kiln cannot reach its database; retry with backoff.",
+                         headers={"Retry-After": "5"})
+
+
+class InternalError(GatewayError):
+    """Kiln itself failed: internals stay in the log, the client gets the envelope (500)."""
+
+    code = "internal_error"
+
+    def __init__(self, message="Internal error.", *, code=None):
+        super().__init__(message, code=code)
+
+
+class HTTPError(GatewayError):
+    """An error Flask or werkzeug raised (404 route, 405 method, ...), in the envelope; its
+    ``code`` is the status's name (``not_found``, ``method_not_allowed``)."""
+
+    def __init__(self, err):
+        super().__init__(err.description,
+                         code=(err.name or "error").lower().replace(" ", "_"))
+        self.status = err.code
+        self.type = "invalid_request_error" if err.code < 500 else "server_error"
+
+
 def json_error(status, envelope, headers=None):
     """Return a JSON response with ``envelope`` and ``status``."""
     return Response(json.dumps(envelope), status=status, mimetype="application/json",
@@ -145,33 +204,19 @@ def register_error_handlers(app):
 
     @app.errorhandler(HTTPException)
     def _http_error(err):
-        code = (err.name or "error").lower().replace(" ", "_")
-        kind = "invalid_request_error" if err.code < 500 else "server_error"
-        return json_error(err.code, {"error": {"message": err.description, "type": kind,
-                                               "param": None, "code": code}})
+        return HTTPError(err).to_response()
 
     @app.errorhandler(sa_exc.TimeoutError)
     def _database_busy(err):
-        # Every pooled connection is busy: told at once, never a 500 after a long wait.
-        g.kiln_error_code = "database_busy"
-        return json_error(503, {"error": {"message": "Kiln's database connections are all "
-                                                     "busy; retry with backoff.",
-                                          "type": "service_unavailable", "param": None,
-                                          "code": "database_busy"}}, {"Retry-After": "1"})
+        return _gateway_error(DatabaseBusy())
 
     @app.errorhandler(sa_exc.OperationalError)
     def _database_down(err):
-        # The database is unreachable or failing over: nothing was admitted or charged.
         log.error("database unavailable: %s", err.orig or err)
-        g.kiln_error_code = "database_unavailable"
-        return json_error(503, {"error": {"message": "Kiln cannot reach its database; retry "
-                                                     "with backoff.", "type": "service_unavailable",
-                                          "param": None, "code": "database_unavailable"}},
-                          {"Retry-After": "5"})
+        return _gateway_error(DatabaseUnavailable())
 
     @app.errorhandler(Exception)
     def _unexpected(err):
         # The one catch-all: internals stay in the log, the client gets the envelope.
         log.exception("unhandled error")
-        return json_error(500, {"error": {"message": "Internal error.", "type": "server_error",
-                                          "param": None, "code": "internal_error"}})
+        return InternalError().to_response()

@@ -13,13 +13,24 @@ SAMPLING = frozenset({"temperature", "top_p", "presence_penalty", "frequency_pen
                       "n", "stop", "logit_bias", "logprobs", "top_logprobs", "tools",
                       "tool_choice", "response_format"})
 
+# What a backend is sent of each message, by role (an assistant's ``refusal``, ``audio`` and
+# ``function_call`` are first rewritten by :func:`_assistant`), and of the object each content
+# part carries. Messages are built anew from these keys: nothing Kiln did not check reaches a
+# backend, and the client's objects are never modified.
+SENT_KEYS = {"developer": ("role", "content", "name"), "system": ("role", "content", "name"),
+             "user": ("role", "content", "name"),
+             "assistant": ("role", "content", "name", "tool_calls"),
+             "tool": ("role", "content", "tool_call_id")}
+SENT_PART_KEYS = {"image_url": ("url", "detail"), "input_audio": ("data", "format"),
+                  "file": ("file_data", "file_id", "filename")}
+
 
 @dataclass(frozen=True)
 class Family:
     """How one kind of model server reads a chat request."""
 
     name: str
-    params: frozenset            # optional OpenAI (or reference) parameters it reads
+    params: frozenset            # optional parameters it reads (docs/PARAMETERS.md)
     length_fields: tuple         # where it reads the completion cap; Kiln writes each
     developer_role: bool = False  # its chat templates know the ``developer`` role
     text_parts: bool = True       # it reads text content as an array of parts for every role
@@ -40,17 +51,21 @@ class Family:
 
     def _message(self, message):
         role = message["role"]
-        out = message
-        if role == "developer" and not self.developer_role:
-            out = {**out, "role": "system"}
-        elif role == "function":  # deprecated: the answer to a function_call, by name
-            out = {"role": "tool", "tool_call_id": message["name"],
-                   "content": message.get("content") or ""}
+        if role == "function":  # deprecated: the answer to a function_call, by name
+            return {"role": "tool", "tool_call_id": message["name"],
+                    "content": message.get("content") or ""}
         if role == "assistant":
-            out = _assistant(out)
+            message = _assistant(message)
+        out = {k: message[k] for k in SENT_KEYS[role] if k in message}
+        if role == "developer" and not self.developer_role:
+            out["role"] = "system"
         content = out.get("content")
-        if isinstance(content, list) and not self.text_parts and _only_text(content):
-            out = {**out, "content": "".join(p["text"] for p in content)}
+        if isinstance(content, list):
+            out["content"] = ("".join(p["text"] for p in content)
+                              if not self.text_parts and _only_text(content)
+                              else [_part(p) for p in content])
+        if out.get("tool_calls"):
+            out["tool_calls"] = [_tool_call(c) for c in out["tool_calls"]]
         return out
 
 
@@ -72,6 +87,22 @@ def _assistant(message):
         out["content"] = [{"type": "text", "text": p["refusal"]} if p.get("type") == "refusal"
                           else p for p in content]
     return out
+
+
+def _part(part):
+    """A content part as sent: its type and the member carrying it, that member's own keys
+    only (``prompt_cache_breakpoint``, OpenAI's cache hint, stays behind)."""
+    kind = part["type"]
+    value = part[kind]
+    if isinstance(value, dict):
+        value = {k: value[k] for k in SENT_PART_KEYS[kind] if k in value}
+    return {"type": kind, kind: value}
+
+
+def _tool_call(call):
+    function = call["function"]
+    return {"id": call["id"], "type": "function",
+            "function": {k: function[k] for k in ("name", "arguments") if k in function}}
 
 
 def _only_text(parts):

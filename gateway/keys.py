@@ -20,6 +20,7 @@ from .db import utcnow
 from .ledger import next_period
 from .ledger.sqlite import period_start
 from .models import api_keys, usage_events
+from .outcomes import Status
 
 bp = Blueprint("keys", __name__)
 
@@ -136,7 +137,7 @@ def _recount(conn, key_id, reset):
     start = period_start(reset, utcnow())
     ev = usage_events.c
     spent = sa.select(sa.func.coalesce(sa.func.sum(ev.cost_nanos), 0)).where(
-        ev.api_key_id == key_id, ev.status != "pending")
+        ev.api_key_id == key_id, ev.status != Status.PENDING.value)
     if start is not None:
         spent = spent.where(ev.ended_at >= start)
     return {"period_start": start, "period_spent_nanos": conn.execute(spent).scalar_one()}

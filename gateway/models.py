@@ -7,6 +7,8 @@ SQL, and its trigger converts. Invariant per org at a quiet moment:
 """
 import sqlalchemy as sa
 
+from .outcomes import Status
+
 metadata = sa.MetaData(naming_convention={
     "ix": "ix_%(column_0_label)s",
     "uq": "uq_%(table_name)s_%(column_0_name)s",
@@ -87,8 +89,8 @@ usage_events = sa.Table(
     sa.Column("model", sa.String(200), nullable=False),
     sa.Column("backend", sa.String(500), nullable=True),
     sa.Column("stream", sa.Boolean, nullable=False),
-    # pending until settled; then completed, client_cancelled, upstream_error, timeout, abandoned.
-    sa.Column("status", sa.String(24), nullable=False, server_default="pending"),
+    # pending until settled; then how it ended (gateway.outcomes.Status).
+    sa.Column("status", sa.String(24), nullable=False, server_default=Status.PENDING.value),
     sa.Column("prompt_tokens", sa.Integer, nullable=False, server_default="0"),
     sa.Column("cached_tokens", sa.Integer, nullable=False, server_default="0"),
     sa.Column("completion_tokens", sa.Integer, nullable=False, server_default="0"),

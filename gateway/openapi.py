@@ -17,8 +17,7 @@ bp = Blueprint("openapi", __name__)
 DECIMAL_USD = {"type": "string", "pattern": r"^-?[0-9]+(\.[0-9]+)?$",
                "description": "Exact USD amount as a decimal string."}
 
-# Error ``type`` and the ``code`` values each status can carry (errors.py and the endpoint
-# reference's "Errors" table).
+# Error ``type`` and the ``code`` values each status can carry (errors.py and README, "API").
 ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
                402: "insufficient_quota", 403: "permission_error", 404: "invalid_request_error",
                413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",

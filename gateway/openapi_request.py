@@ -5,6 +5,7 @@ from .parameters import INT64, MAX_N, MAX_STOP_STRINGS, PARAMETERS, RANGES, REAS
     REFUSE
 
 REF = "#/components/schemas/"
+STRING = {"type": "string"}
 TRUE_STREAM, FALSE_STREAM = [True, "true", 1], [False, "false", 0, None]
 
 
@@ -20,17 +21,28 @@ def nullable(schema):
 def request_schemas():
     return {
         "ChatCompletionRequest": _chat_request(),
-        "SystemMessage": _message("system", {"content": {"type": "string"}}, ["content"]),
-        "UserMessage": _message("user", {"content": _text_or_parts()}, ["content"]),
+        "SystemMessage": _message("system", {"content": _text_or_parts("TextPart"),
+                                             "name": STRING}, ["content"]),
+        "DeveloperMessage": _message("developer", {"content": _text_or_parts("TextPart"),
+                                                   "name": STRING}, ["content"]),
+        "UserMessage": _message("user", {"content": _text_or_parts(), "name": STRING},
+                                ["content"]),
+        "FunctionMessage": _message("function", {"content": {"type": ["string", "null"]},
+                                                 "name": STRING}, ["name"]),
         "AssistantMessage": _assistant_message(),
         "ToolMessage": _message("tool", {"tool_call_id": {"type": "string"},
-                                         "content": _text_or_parts()},
+                                         "content": _text_or_parts("TextPart")},
                                 ["tool_call_id", "content"]),
         "ContentPart": {
             "type": "object", "required": ["type"], "properties": {"type": {"type": "string"}},
-            "description": "Forwarded unchanged. A part of type `image_url` is accepted only by "
-                           "models whose `input_modalities` include `image`; elsewhere 400 "
+            "description": "The keys of its type in the OpenAI chat API, no other (400 "
+                           "`unknown_parameter`; docs/PARAMETERS.md, \"Messages\"). A part of "
+                           "type `image_url` is accepted only by models whose "
+                           "`input_modalities` include `image`; elsewhere 400 "
                            "`unsupported_parameter` naming `messages[i].content[j]`."},
+        "TextPart": {"type": "object", "required": ["type", "text"], "properties": {
+            "type": {"const": "text"}, "text": STRING,
+            "prompt_cache_breakpoint": {"type": "object"}}, "additionalProperties": False},
         "FunctionTool": _function_tool(),
         "ToolChoice": _tool_choice(),
         "ResponseFormat": {
@@ -51,8 +63,8 @@ def _chat_request():
     properties = {
         "model": {"type": "string", "description": "A model id from GET /v1/models."},
         "messages": {"type": "array", "minItems": 1, "items": {"oneOf": [
-            ref("SystemMessage"), ref("UserMessage"), ref("AssistantMessage"),
-            ref("ToolMessage")]},
+            ref("SystemMessage"), ref("DeveloperMessage"), ref("UserMessage"),
+            ref("AssistantMessage"), ref("ToolMessage"), ref("FunctionMessage")]},
             "description": "Missing or empty: 400 `empty_array`."},
         "max_tokens": nullable({"type": "integer", "minimum": 1, "description":
                                  "At most the model's `max_output_tokens`; forwarded as "
@@ -95,7 +107,7 @@ def _chat_request():
                        "refuses (docs/PARAMETERS.md); any other field is 400 "
                        "`unknown_parameter` unless the model's catalog entry allows it by "
                        "name (`extra_params`).",
-        # stream_options needs stream true (endpoint reference).
+        # stream_options needs stream true (docs/PARAMETERS.md, ``stream_options``).
         "if": {"required": ["stream_options"],
                "properties": {"stream_options": {"type": "object"}}},
         "then": {"required": ["stream"], "properties": {"stream": {"enum": TRUE_STREAM}}},
@@ -109,33 +121,49 @@ def _treatment(what):
 
 
 def _message(role, properties, required):
+    """A message of ``role``: the keys the OpenAI chat API allows it, no other."""
     return {"type": "object", "required": ["role", *required],
-            "properties": {"role": {"const": role}, **properties}}
+            "properties": {"role": {"const": role}, **properties},
+            "additionalProperties": False}
 
 
-def _text_or_parts():
-    return {"oneOf": [{"type": "string"}, {"type": "array", "items": ref("ContentPart")}]}
+def _text_or_parts(part="ContentPart"):
+    return {"oneOf": [{"type": "string"}, {"type": "array", "items": ref(part)}]}
 
 
 def _assistant_message():
     schema = _message("assistant", {
         "content": {"oneOf": [{"type": "string"}, {"type": "null"},
                               {"type": "array", "items": ref("ContentPart")}]},
-        "tool_calls": {"type": "array", "description": "Forwarded unchanged."}}, [])
-    # Content may be null or absent only when the message carries tool calls.
+        "name": STRING, "refusal": {"type": ["string", "null"]},
+        "audio": {"type": ["object", "null"], "required": ["id"],
+                  "properties": {"id": STRING}, "additionalProperties": False},
+        "function_call": {"type": ["object", "null"]},
+        "tool_calls": {"type": "array", "description": "Function tool calls: `id`, `type`, "
+                                                       "`function` {`name`, `arguments`}."}},
+        [])
+    # Content may be null or absent only when the message carries tool calls, a function
+    # call, a refusal or an audio reference.
     schema["anyOf"] = [
         {"required": ["content"], "properties": {"content": {"type": ["string", "array"]}}},
-        {"required": ["tool_calls"], "properties": {"tool_calls": {"minItems": 1}}}]
+        {"required": ["tool_calls"], "properties": {"tool_calls": {"minItems": 1}}},
+        *({"required": [name], "properties": {name: {"type": kind}}}
+          for name, kind in (("function_call", "object"), ("refusal", "string"),
+                             ("audio", "object")))]
     return schema
 
 
 def _function_tool():
     text = {"type": "string", "pattern": r"\S"}
-    return {"type": "object", "required": ["type", "function"], "properties": {
-        "type": {"const": "function"},
-        "function": {"type": "object", "required": ["name", "description"], "properties": {
-            "name": text, "description": {**text, "description": "Required, non-empty."},
-            "parameters": {"type": "object", "description": "JSON Schema of the arguments."}}}}}
+    function = {"type": "object", "required": ["name", "description"],
+                "additionalProperties": False, "properties": {
+                    "name": text,
+                    "description": {**text, "description": "Required, non-empty."},
+                    "parameters": {"type": "object",
+                                   "description": "JSON Schema of the arguments."},
+                    "strict": {"type": ["boolean", "null"]}}}
+    return {"type": "object", "required": ["type", "function"], "additionalProperties": False,
+            "properties": {"type": {"const": "function"}, "function": function}}
 
 
 def _tool_choice():

@@ -9,8 +9,8 @@ import logging
 from dataclasses import dataclass
 from enum import Enum
 
-from .errors import (GatewayError, ServiceUnavailable, ShuttingDown, UpstreamError,
-                     UpstreamRejected, UpstreamTimeout)
+from .errors import (GatewayError, InternalError, ServiceUnavailable, ShuttingDown,
+                     UpstreamError, UpstreamRejected, UpstreamTimeout)
 from .relay import ClientGone, StreamFailed
 from .sse import DONE, frame
 from .upstream import IDLE_TIMEOUT
@@ -113,7 +113,7 @@ def error_event(outcome, exc):
         message = "The gateway failed while relaying the stream."
     else:
         message = outcome.message or "The model backend failed mid-stream."
-    kind = "server_error" if outcome.status is Status.ERROR else "upstream_error"
-    envelope = {"error": {"message": message, "type": kind, "param": None,
-                          "code": outcome.code}}
-    return frame(json.dumps(envelope).encode())
+    error = (InternalError(message) if outcome.status is Status.ERROR
+             else UpstreamError(message))
+    error.code = outcome.code  # the outcome's, even none: the table decided it
+    return frame(json.dumps(error.envelope()).encode())

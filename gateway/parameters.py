@@ -1,7 +1,7 @@
 """The request's parameters other than ``messages``: what a client may send, and the body Kiln
 builds for each backend from it (:func:`upstream_body`).
 
-Every parameter of the endpoint reference and of the current OpenAI chat API has one row in
+Every parameter of the current OpenAI chat API and of the model servers Kiln fronts has one row in
 :data:`PARAMETERS`: Kiln writes it itself, forwards it to the backend families that read it,
 accepts and drops it, or refuses it; docs/PARAMETERS.md is the same table in prose. Any other
 top-level field is refused (400, ``param`` naming it) unless the model's catalog entry allows it
@@ -9,12 +9,17 @@ by name (``extra_params``). Length is Kiln's: a backend is sent the cap Kiln hel
 fields its family reads, so no backend generates more than the customer pays for (README,
 "What Kiln does beyond passing requests through").
 """
-from .errors import InvalidRequest, UnsupportedParameter
+from .errors import InvalidRequest, UnknownParameter, UnsupportedParameter
 from . import tools
 from .families import family_of
 
-REASONING_EFFORTS = ("low", "medium", "high")
-SERVICE_TIERS = ("auto", "default", "flex", "scale", "priority")
+# Enumerated values as the current OpenAI chat API lists them (the openai SDK's
+# ``completion_create_params``); tests/test_parameters.py checks them against the SDK.
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+SERVICE_TIERS = ("auto", "default", "flex", "scale", "priority", "fast")
+VERBOSITIES = ("low", "medium", "high")
+PROMPT_CACHE_RETENTIONS = ("in_memory", "24h")
+PROMPT_CACHE_OPTIONS = {"mode": ("implicit", "explicit"), "ttl": ("30m",)}
 RANGES = {"temperature": (0, 2), "top_p": (0, 1),
           "presence_penalty": (-2, 2), "frequency_penalty": (-2, 2)}
 MAX_STOP_STRINGS = 4
@@ -24,9 +29,10 @@ INT64 = 2 ** 63
 # Length fields a client may send; the smallest wins, and none is forwarded as given.
 LENGTH_FIELDS = ("max_tokens", "max_completion_tokens", "n_predict", "max_new_tokens")
 
-KILN, FORWARD, DROP, REFUSE = "written by Kiln", "forwarded", "dropped", "refused"
-# What Kiln does with each request field. FORWARD: sent to the families that read it
-# (gateway.families), dropped for the others.
+KILN, FORWARD, DROP, REFUSE = "rewritten", "forwarded", "dropped", "refused"
+# What Kiln does with each request field. KILN: Kiln writes the field itself (from what the
+# client sent, never as sent); FORWARD: sent to the families that read it (gateway.families),
+# dropped for the others.
 PARAMETERS = {
     "model": KILN, "messages": KILN, "stream": KILN, "stream_options": KILN,
     "max_tokens": KILN, "max_completion_tokens": KILN, "n_predict": KILN,
@@ -39,8 +45,8 @@ PARAMETERS = {
     "ignore_eos": FORWARD, "min_tokens": FORWARD,
     "user": DROP, "metadata": DROP, "store": DROP, "service_tier": DROP,
     "prompt_cache_key": DROP, "prompt_cache_retention": DROP, "safety_identifier": DROP,
-    "verbosity": DROP, "modalities": DROP, "prediction": DROP,
-    "audio": REFUSE, "web_search_options": REFUSE,
+    "verbosity": DROP, "modalities": DROP, "prediction": DROP, "prompt_cache_options": DROP,
+    "audio": REFUSE, "web_search_options": REFUSE, "moderation": REFUSE,
 }
 
 
@@ -85,8 +91,8 @@ def _unknown_fields(body, entry):
             extras[name] = value
         else:
             # OpenAI's answer to a field it does not know; nothing unknown reaches a backend.
-            raise InvalidRequest(f"Unrecognized request argument supplied: {name[:100]}",
-                                 param=name[:100], code="unknown_parameter")
+            raise UnknownParameter(name[:100], f"Unrecognized request argument supplied: "
+                                               f"{name[:100]}")
     return extras
 
 
@@ -189,7 +195,7 @@ def _modalities(value, name, entry):
 
 def _ignore_eos(value, name, entry):
     _type(bool, "a boolean")(value, name, entry)
-    if value and entry.family == "gpt-oss":  # the endpoint reference's 400
+    if value and entry.family == "gpt-oss":  # docs/PARAMETERS.md, ``ignore_eos``
         raise UnsupportedParameter("ignore_eos is not supported on gpt-oss models: remove it.",
                                    param="ignore_eos")
 
@@ -202,7 +208,8 @@ def _response_format(fmt, name, entry):
         raise InvalidRequest("Invalid 'response_format.type': expected text, json_object or "
                              "json_schema.", param="response_format", code="invalid_value")
     if not entry.response_format:
-        # The reference documents 200 with empty content here; refuse clearly instead.
+        # Such a model answers 200 with empty content; refuse clearly instead
+        # (docs/PARAMETERS.md, ``response_format``).
         raise UnsupportedParameter(f"response_format {kind} is not supported on model "
                                    f"'{entry.id}': ask for JSON in the prompt instead.",
                                    param="response_format")
@@ -215,6 +222,14 @@ def _prediction(value, name, entry):
     if not isinstance(value, dict) or value.get("type") != "content":
         raise InvalidRequest("Invalid 'prediction': expected {\"type\": \"content\", ...}.",
                              param=name, code="invalid_value")
+
+
+def _prompt_cache_options(value, name, entry):
+    _type(dict, "an object")(value, name, entry)
+    for key, item in value.items():
+        if key not in PROMPT_CACHE_OPTIONS:
+            raise UnknownParameter(f"{name}.{key[:100]}")
+        _one_of(PROMPT_CACHE_OPTIONS[key])(item, f"{name}.{key}", entry)
 
 
 def _seed(value, name, entry):
@@ -233,8 +248,9 @@ _CHECKS = {
     "reasoning_effort": _one_of(REASONING_EFFORTS), "response_format": _response_format,
     "ignore_eos": _ignore_eos, "min_tokens": _int_in(0, INT64 - 1),
     "user": _STRING, "prompt_cache_key": _STRING, "safety_identifier": _STRING,
-    "prompt_cache_retention": _STRING, "metadata": _metadata, "store": _BOOL,
-    "service_tier": _one_of(SERVICE_TIERS), "verbosity": _one_of(REASONING_EFFORTS),
+    "prompt_cache_retention": _one_of(PROMPT_CACHE_RETENTIONS), "metadata": _metadata,
+    "store": _BOOL, "prompt_cache_options": _prompt_cache_options,
+    "service_tier": _one_of(SERVICE_TIERS), "verbosity": _one_of(VERBOSITIES),
     "modalities": _modalities, "prediction": _prediction,
 }
 
@@ -250,7 +266,7 @@ def is_int(value):
 # -- stream and length ------------------------------------------------------------------------
 
 def _stream(value):
-    """Read ``stream`` as the reference does: ``true``, ``"true"``, ``1`` are true; ``false``,
+    """Read ``stream`` as docs/PARAMETERS.md says: ``true``, ``"true"``, ``1`` are true; ``false``,
     ``"false"``, ``0``, ``null`` are false; nothing else (not ``"1"``, ``1.0``, ``"True"``)."""
     integer = is_int(value)
     if value is True or value == "true" or (integer and value == 1):
@@ -278,8 +294,8 @@ def _stream_options(options, stream):
                              param="stream_options", code="invalid_type")
     for name, value in options.items():
         if name not in STREAM_OPTIONS:
-            raise InvalidRequest(f"Unrecognized stream option: {name[:100]}",
-                                 param=f"stream_options.{name[:100]}", code="unknown_parameter")
+            raise UnknownParameter(f"stream_options.{name[:100]}",
+                                   f"Unrecognized stream option: {name[:100]}")
         if not isinstance(value, bool):
             raise InvalidRequest(f"Invalid 'stream_options.{name}': expected a boolean.",
                                  param=f"stream_options.{name}", code="invalid_type")

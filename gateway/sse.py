@@ -157,8 +157,8 @@ def with_cost(payload, cost_usd):
 class StopCutter:
     """Cut generated text before the first stop string, across chunk boundaries.
 
-    The endpoint reference notes that generation runs past ``stop``; Kiln enforces it. Text that
-    could be the start of a stop string is held back until the next delta decides.
+    Model servers may generate past ``stop``; Kiln enforces it (README, "Request contract").
+    Text that could be the start of a stop string is held back until the next delta decides.
     """
 
     def __init__(self, stops):

@@ -152,7 +152,7 @@ def _backend_failed(status, body):
     return UpstreamError(f"The model backend returned an error (HTTP {_status_line(status)}).")
 
 
-# Backend status -> gateway error (endpoint reference, "Errors"): 400 "the model server rejected
+# Backend status -> gateway error (README, "API"): 400 "the model server rejected
 # the request"; 503 when it is at capacity; every other status, 502 "backend error".
 BACKEND_STATUS = {400: _rejected, 413: _rejected, 422: _rejected, 429: _at_capacity}
 MAX_QUOTED_CHARS = 500  # a longer backend message is not quoted: it is a page, a dump or an echo

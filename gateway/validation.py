@@ -1,10 +1,10 @@
 """The request contract of ``POST /v1/chat/completions``: the body and its messages, checked
 before admission.
 
-Rules follow the endpoint reference's "Request body" section and the message shapes of the
-current OpenAI chat API (roles ``developer``, ``system``, ``user``, ``assistant``, ``tool`` and
-the deprecated ``function``; content as a string or as parts). Where the reference documents a
-weakness (silent 500s, images on text-only models), Kiln refuses instead. A rejected request calls
+Rules follow README "API" and docs/PARAMETERS.md, "Messages": the message shapes of the current
+OpenAI chat API (roles ``developer``, ``system``, ``user``, ``assistant``, ``tool`` and the
+deprecated ``function``; content as a string or as parts). Where a model server fails silently
+(images on text-only models), Kiln refuses instead. A rejected request calls
 no backend, writes nothing and charges nothing. The other parameters are checked in
 :mod:`gateway.parameters`, which also builds the body each backend is sent; the JSON itself
 (numbers, nesting, text) in :mod:`gateway.json_body`.
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import gevent
 
 from . import images, parameters, tools
-from .errors import InvalidRequest, ModelNotFound, UnsupportedParameter
+from .errors import InvalidRequest, ModelNotFound, UnsupportedParameter, refuse_unknown_keys
 from .metering import prompt_bound
 
 # No tokenizer puts more than this many bytes of JSON text in one token: a text-only body
@@ -28,6 +28,29 @@ YIELD_EVERY = 1024
 # Content part types each role may send (OpenAI chat API), and the member carrying each part.
 PART_FIELDS = {"text": "text", "image_url": "image_url", "input_audio": "input_audio",
                "file": "file", "refusal": "refusal"}
+# The keys each role's message may carry (the openai SDK's ``ChatCompletion*MessageParam``
+# types). Any other key is refused as OpenAI refuses an unknown parameter: nothing unchecked
+# reaches a backend (docs/PARAMETERS.md, "Messages").
+MESSAGE_KEYS = {
+    "developer": {"role", "content", "name"}, "system": {"role", "content", "name"},
+    "user": {"role", "content", "name"},
+    "assistant": {"role", "content", "name", "refusal", "audio", "tool_calls", "function_call"},
+    "tool": {"role", "content", "tool_call_id"}, "function": {"role", "content", "name"},
+}
+# The keys of each content part type (``prompt_cache_breakpoint`` is OpenAI's cache hint:
+# accepted, never sent), and of the object a part carries, with its enumerated values.
+CACHE_BREAKPOINT = "prompt_cache_breakpoint"
+PART_KEYS = {"text": {"type", "text", CACHE_BREAKPOINT},
+             "image_url": {"type", "image_url", CACHE_BREAKPOINT},
+             "input_audio": {"type", "input_audio", CACHE_BREAKPOINT},
+             "file": {"type", "file", CACHE_BREAKPOINT}, "refusal": {"type", "refusal"}}
+PART_VALUE_KEYS = {"image_url": {"url", "detail"}, "input_audio": {"data", "format"},
+                   "file": {"file_data", "file_id", "filename"},
+                   CACHE_BREAKPOINT: {"mode", "ttl"}}
+PART_VALUES = {"image_url.detail": ("auto", "low", "high", "original"),
+               "input_audio.format": ("wav", "mp3"),
+               f"{CACHE_BREAKPOINT}.mode": ("explicit",),
+               f"{CACHE_BREAKPOINT}.ttl": ("30m", "12h")}
 ROLE_PARTS = {"developer": {"text"}, "system": {"text"}, "tool": {"text"},
               "user": {"text", "image_url", "input_audio", "file"},
               "assistant": {"text", "refusal"}}
@@ -141,7 +164,7 @@ def _model(body, catalog):
 
 def _messages(messages, entry):
     if messages is None or messages == []:
-        # Exactly as the endpoint reference's 400 example.
+        # OpenAI's own message for it, word for word.
         raise InvalidRequest("Invalid 'messages': the array must contain at least one message.",
                              param="messages", code="empty_array")
     if not isinstance(messages, list):
@@ -170,6 +193,7 @@ def _message(i, message, entry):
     if role not in ROLES:
         raise InvalidRequest(f"Invalid '{where}.role': {str(role)[:40]!r} is not one of "
                              f"{', '.join(ROLES)}.", param=f"{where}.role", code="invalid_value")
+    refuse_unknown_keys(message, MESSAGE_KEYS[role], where)
     _optional_string(message, "name", where)
     if role == "assistant":
         return _assistant(message, where, entry)
@@ -217,9 +241,12 @@ def _part(part, where, role, entry):
         raise InvalidRequest(f"Invalid '{where}.type': {kind[:40]!r} is not a part type of "
                              f"{role} messages ({', '.join(sorted(ROLE_PARTS[role]))}).",
                              param=f"{where}.type", code="invalid_value")
+    refuse_unknown_keys(part, PART_KEYS[kind], where)
+    if part.get(CACHE_BREAKPOINT) is not None:
+        _part_object(part[CACHE_BREAKPOINT], CACHE_BREAKPOINT, where)
     modality = PART_MODALITY.get(kind)
     if modality and modality not in entry.input:
-        # The reference warns images fail silently on text-only models; refuse instead.
+        # A text-only model ignores an image silently; refuse instead (docs/PARAMETERS.md).
         raise UnsupportedParameter(f"Invalid '{where}': model '{entry.id}' does not accept "
                                    f"{modality} input.", param=where)
     value = part.get(PART_FIELDS[kind])
@@ -227,11 +254,27 @@ def _part(part, where, role, entry):
         _require_string(value, f"{where}.{kind}")
     elif kind == "image_url":
         images.check_image_url(value, f"{where}.image_url", entry.image_sources)
+        if isinstance(value, dict):  # a bare URL string is accepted too
+            _part_object(value, kind, where)
         return True
-    elif not isinstance(value, dict):
+    else:
+        _part_object(value, kind, where)
+    return False
+
+
+def _part_object(value, kind, where):
+    """Check the object a part carries (``image_url``, ``input_audio``, ``file``, a cache
+    breakpoint): an object of its known keys, each enumerated value one of its set."""
+    if not isinstance(value, dict):
         raise InvalidRequest(f"Invalid '{where}.{kind}': expected an object.",
                              param=f"{where}.{kind}", code="invalid_type")
-    return False
+    refuse_unknown_keys(value, PART_VALUE_KEYS[kind], f"{where}.{kind}")
+    for key, item in value.items():
+        allowed = PART_VALUES.get(f"{kind}.{key}")
+        if allowed is not None and item is not None and item not in allowed:
+            param = f"{where}.{kind}.{key}"
+            raise InvalidRequest(f"Invalid '{param}': expected one of {', '.join(allowed)}.",
+                                 param=param, code="invalid_value")
 
 
 def _assistant(message, where, entry):
@@ -245,8 +288,11 @@ def _assistant(message, where, entry):
     if audio is not None and not (isinstance(audio, dict) and isinstance(audio.get("id"), str)):
         raise InvalidRequest(f"Invalid '{where}.audio': expected an object with an 'id'.",
                              param=f"{where}.audio", code="invalid_type")
+    if audio is not None:
+        refuse_unknown_keys(audio, {"id"}, f"{where}.audio")
     if message.get("content") is None:
-        # A tool-call, function-call, refusal or audio reply: content may be null (reference).
+        # A tool-call, function-call, refusal or audio reply: content may be null (OpenAI chat
+        # API; docs/PARAMETERS.md, "Messages").
         if tool_calls or any(message.get(k) is not None
                              for k in ("function_call", "refusal", "audio")):
             return False

@@ -134,7 +134,8 @@ def test_request_schema_states_the_contract(document):
     assert [(inner(n)["minimum"], inner(n)["maximum"]) for n in (
         "temperature", "top_p", "presence_penalty", "frequency_penalty")] == [
         (0, 2), (0, 1), (-2, 2), (-2, 2)]
-    assert inner("reasoning_effort")["enum"] == ["low", "medium", "high"]
+    assert inner("reasoning_effort")["enum"] == ["none", "minimal", "low", "medium", "high",
+                                                 "xhigh", "max"]
     assert inner("n") == {"type": "integer", "minimum": 1, "maximum": 128}
     assert inner("stop")["oneOf"][1]["maxItems"] == 4
     assert props["stream"]["enum"] == [True, "true", 1, False, "false", 0, None]
@@ -227,7 +228,11 @@ SCHEMA_INVALID = [
         {"type": "function", "function": {"name": "f", "description": "  "}}]},
     {"model": "fake-model", "messages": MESSAGES, "tool_choice": "any"},
     {"model": "fake-model", "messages": MESSAGES, "parallel_tool_calls": "false"},
-    {"model": "fake-model", "messages": MESSAGES, "reasoning_effort": "max"},
+    {"model": "fake-model", "messages": MESSAGES, "reasoning_effort": "extreme"},
+    {"model": "fake-model", "messages": [{"role": "user", "content": "x", "max_tokens": 9}]},
+    {"model": "fake-model", "messages": [{"role": "tool", "tool_call_id": "c", "content": "x",
+                                          "name": "f"}]},
+    {"model": "fake-model", "messages": [{"role": "assistant", "content": "x", "prefix": True}]},
     {"model": "fake-model", "messages": MESSAGES, "temperature": 2.5},
     {"model": "fake-model", "messages": MESSAGES, "top_p": -0.1},
     {"model": "fake-model", "messages": MESSAGES, "presence_penalty": 3},

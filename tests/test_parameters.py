@@ -1,9 +1,12 @@
 """The body Kiln builds for each backend, as plain functions (no HTTP): every field of the OpenAI
 chat request is forwarded, rewritten, dropped or refused, and this file lists which."""
 import re
+import typing
 from pathlib import Path
 
 import pytest
+from openai.types.chat.completion_create_params import (CompletionCreateParamsBase,
+                                                        CompletionCreateParamsStreaming)
 
 from factories import model_entry
 from gateway.errors import InvalidRequest, UnsupportedParameter
@@ -15,25 +18,23 @@ pytestmark = pytest.mark.unit
 ROOT = Path(__file__).resolve().parent.parent
 MESSAGES = [{"role": "user", "content": "hi"}]
 
-# The OpenAI chat completions request (its API reference, late 2025) plus the endpoint
-# reference's ignore_eos and the length fields of llama.cpp and Hugging Face servers: what Kiln
-# does with each. A new field in PARAMETERS must be added here, on purpose.
-EXPECTED = {
-    "model": "written by Kiln", "messages": "written by Kiln", "stream": "written by Kiln",
-    "stream_options": "written by Kiln", "max_tokens": "written by Kiln",
-    "max_completion_tokens": "written by Kiln", "n_predict": "written by Kiln",
-    "max_new_tokens": "written by Kiln", "parallel_tool_calls": "written by Kiln",
-    "functions": "written by Kiln", "function_call": "written by Kiln",
-    "temperature": "forwarded", "top_p": "forwarded", "presence_penalty": "forwarded",
-    "frequency_penalty": "forwarded", "seed": "forwarded", "n": "forwarded", "stop": "forwarded",
-    "logit_bias": "forwarded", "logprobs": "forwarded", "top_logprobs": "forwarded",
-    "tools": "forwarded", "tool_choice": "forwarded", "response_format": "forwarded",
-    "reasoning_effort": "forwarded", "ignore_eos": "forwarded", "min_tokens": "forwarded",
-    "user": "dropped", "metadata": "dropped", "store": "dropped", "service_tier": "dropped",
-    "prompt_cache_key": "dropped", "prompt_cache_retention": "dropped",
-    "safety_identifier": "dropped", "verbosity": "dropped", "modalities": "dropped",
-    "prediction": "dropped", "audio": "refused", "web_search_options": "refused",
-}
+# What Kiln does with each field of the OpenAI chat completions request (the installed openai
+# SDK's CompletionCreateParams, checked below) and with the length and sampling fields of the
+# model servers it fronts (NOT_OPENAI). A new field in PARAMETERS or in the SDK must be added
+# here, on purpose.
+REWRITTEN = ("model", "messages", "stream", "stream_options", "max_tokens",
+             "max_completion_tokens", "n_predict", "max_new_tokens", "parallel_tool_calls",
+             "functions", "function_call")
+FORWARDED = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "seed", "n",
+             "stop", "logit_bias", "logprobs", "top_logprobs", "tools", "tool_choice",
+             "response_format", "reasoning_effort", "ignore_eos", "min_tokens")
+DROPPED = ("user", "metadata", "store", "service_tier", "prompt_cache_key",
+           "prompt_cache_retention", "prompt_cache_options", "safety_identifier", "verbosity",
+           "modalities", "prediction")
+REFUSED = ("audio", "web_search_options", "moderation")
+EXPECTED = {**dict.fromkeys(REWRITTEN, "rewritten"), **dict.fromkeys(FORWARDED, "forwarded"),
+            **dict.fromkeys(DROPPED, "dropped"), **dict.fromkeys(REFUSED, "refused")}
+NOT_OPENAI = {"n_predict", "max_new_tokens", "ignore_eos", "min_tokens"}
 # A valid value for each field that a request may carry on its own.
 SAMPLE = {
     "temperature": 0.5, "top_p": 0.9, "presence_penalty": 1, "frequency_penalty": -1,
@@ -41,6 +42,7 @@ SAMPLE = {
     "top_logprobs": 2, "reasoning_effort": "low", "ignore_eos": True, "min_tokens": 3,
     "response_format": {"type": "text"}, "user": "u-1", "metadata": {"a": "b"}, "store": False,
     "service_tier": "auto", "prompt_cache_key": "k", "prompt_cache_retention": "24h",
+    "prompt_cache_options": {"mode": "implicit", "ttl": "30m"},
     "safety_identifier": "s", "verbosity": "low", "modalities": ["text"],
     "prediction": {"type": "content", "content": "x"},
     "tools": [{"type": "function", "function": {"name": "f", "description": "d"}}],
@@ -58,13 +60,74 @@ def build(server="generic", model=None, **fields):
     return chat, upstream_body(chat, model.backends[0])
 
 
+def sdk_fields():
+    """The top-level fields of the installed openai SDK's chat request, with their types."""
+    return typing.get_type_hints(CompletionCreateParamsStreaming)
+
+
+def literal_values(hint):
+    """The enumerated values a type allows (``Optional[Literal[...]]``, ``List[Literal]``)."""
+    if typing.get_origin(hint) is typing.Literal:
+        return list(typing.get_args(hint))
+    return [v for arg in typing.get_args(hint) if arg is not type(None)
+            for v in literal_values(arg)]
+
+
 def test_every_field_has_the_treatment_this_table_lists():
     assert PARAMETERS == EXPECTED
 
 
+def test_every_field_of_the_openai_sdk_has_a_row():
+    sdk = set(CompletionCreateParamsBase.__annotations__) | {"stream"}
+    assert sdk == set(sdk_fields())
+    assert sorted(sdk - set(PARAMETERS)) == []
+    assert set(PARAMETERS) - sdk == NOT_OPENAI
+
+
+ENUMERATED = sorted((name, value) for name, hint in sdk_fields().items()
+                    if PARAMETERS[name] in ("forwarded", "dropped")
+                    for value in literal_values(hint))
+
+
+def test_the_sdk_enumerates_the_values_kiln_checks():
+    assert {n for n, _ in ENUMERATED} == {"modalities", "prompt_cache_retention",
+                                          "reasoning_effort", "service_tier", "tool_choice",
+                                          "verbosity"}
+
+
+@pytest.mark.parametrize("name,value", ENUMERATED)
+def test_every_enumerated_value_of_the_sdk_is_accepted(name, value):
+    sent = [value] if name == "modalities" else value
+    if (name, value) == ("modalities", "audio"):  # no audio output: refused by name
+        with pytest.raises(UnsupportedParameter) as err:
+            build(**{name: sent})
+        assert err.value.param == name
+        return
+    # On a model whose catalog entry allows what a value needs (forced tool choice).
+    chat, _ = build(model=entry(forced_tool_choice=True), **{name: sent})
+    assert chat.params[name] == sent
+
+
+@pytest.mark.parametrize("name,value", [
+    ("reasoning_effort", "extreme"), ("service_tier", "turbo"), ("verbosity", "max"),
+    ("prompt_cache_retention", "1h"), ("prompt_cache_options", {"ttl": "1h"}),
+    ("prompt_cache_options", {"mode": "sometimes"}), ("prompt_cache_options", "30m")])
+def test_values_outside_the_enumeration_are_refused(name, value):
+    with pytest.raises(InvalidRequest) as err:
+        build(**{name: value})
+    assert err.value.param.split(".")[0] == name and err.value.status == 400
+
+
+def test_an_unknown_prompt_cache_option_names_itself():
+    with pytest.raises(InvalidRequest) as err:
+        build(prompt_cache_options={"mode": "explicit", "breakpoints": 4})
+    assert (err.value.param, err.value.code) == ("prompt_cache_options.breakpoints",
+                                                 "unknown_parameter")
+
+
 def test_the_docs_table_says_the_same():
     text = (ROOT / "docs" / "PARAMETERS.md").read_text()
-    rows = dict(re.findall(r"^\| `(\w+)` \| (written by Kiln|forwarded|dropped|refused) \|",
+    rows = dict(re.findall(r"^\| `(\w+)` \| (rewritten|forwarded|dropped|refused) \|",
                            text, flags=re.M))
     assert rows == EXPECTED
 
@@ -97,7 +160,7 @@ def test_several_choices_are_refused_where_the_server_returns_one(server):
     assert "n" not in body
 
 
-@pytest.mark.parametrize("name", ["audio", "web_search_options"])
+@pytest.mark.parametrize("name", REFUSED)
 def test_refused_fields_name_themselves(name):
     with pytest.raises(UnsupportedParameter) as err:
         build(**{name: {"x": 1}})

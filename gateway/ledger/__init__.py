@@ -43,6 +43,7 @@ from gevent.event import Event
 from ..billing import Usage, cost_nanos, format_usd
 from ..db import is_postgres
 from ..errors import InsufficientCredits, RateLimited, ServiceUnavailable
+from ..outcomes import Status
 from .postgres import PostgresStore
 from .sqlite import SqliteStore
 from .worker import Admitter, Renewer, SettlementWriter
@@ -278,7 +279,7 @@ class Ledger:
         entry = self.catalog.get(row["model"])
         cost = cost_nanos(usage, entry.pricing) if entry else 0
         return Settlement(gid=row["gid"], org_id=row["org"], key_id=row["key"],
-                          model=row["model"], stream=row["stream"], status="abandoned",
+                          model=row["model"], stream=row["stream"], status=Status.ABANDONED.value,
                           usage=usage, cost_nanos=cost, error=ABANDONED_ERROR,
                           error_code="lease_expired", started_at=row["started_at"],
                           expired_before=row["cutoff"])

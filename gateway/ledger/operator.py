@@ -5,6 +5,7 @@ import sqlalchemy as sa
 
 from ..models import (api_keys, credit_balances, credit_grants, in_flight, orgs, usage_daily,
                       usage_events)
+from ..outcomes import Status
 
 GRANT = sa.text("INSERT INTO credit_grants (org_id, amount_usd, note) "
                 "VALUES (:org, CAST(:amount AS NUMERIC(20, 9)), :note)")
@@ -27,7 +28,7 @@ def org_records(engine, now):
     and the daily rollup's requests and cost."""
     grants = _per_org(credit_grants, nanos=sa.func.sum(sa.cast(
         sa.func.round(credit_grants.c.amount_usd * 10 ** 9), sa.BigInteger)))
-    settled = usage_events.c.status != "pending"
+    settled = usage_events.c.status != Status.PENDING.value
     costs = _per_org(usage_events, nanos=sa.func.sum(usage_events.c.cost_nanos),
                      n=_count_if(settled))
     leases = _per_org(in_flight, n=sa.func.count(), held=sa.func.sum(in_flight.c.hold_nanos),
@@ -66,7 +67,7 @@ def key_records(engine):
                  .group_by(ev.api_key_id).subquery())
     in_period = sa.or_(k.period_start.is_(None), ev.ended_at >= k.period_start)
     spent = (sa.select(sa.func.coalesce(sa.func.sum(ev.cost_nanos), 0))
-             .where(ev.api_key_id == k.id, ev.status != "pending", in_period)
+             .where(ev.api_key_id == k.id, ev.status != Status.PENDING.value, in_period)
              .scalar_subquery())
     query = (sa.select(k.prefix, orgs.c.name.label("org"), k.held_nanos, k.period_spent_nanos,
                        k.period_start, k.limit_reset, key_holds.c.held.label("lease_holds"),

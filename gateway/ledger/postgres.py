@@ -12,6 +12,11 @@ import psycopg
 import sqlalchemy as sa
 
 from ..errors import ServiceUnavailable
+from ..outcomes import Status
+
+# The usage-event statuses the functions below name, spelled by the one enum of them.
+PENDING, ABANDONED, COMPLETED = (Status.PENDING.value, Status.ABANDONED.value,
+                                 Status.COMPLETED.value)
 
 SETTLEMENT_TYPE = """CREATE TYPE kiln_settlement AS (
   gid text, org integer, key integer, model text, stream boolean, status text,
@@ -29,7 +34,7 @@ RETURNS timestamptz LANGUAGE sql IMMUTABLE AS $$
           END) AT TIME ZONE 'UTC'
 $$"""
 
-ADMIT = """CREATE OR REPLACE FUNCTION kiln_admit(
+ADMIT = f"""CREATE OR REPLACE FUNCTION kiln_admit(
   p_gid text, p_org integer, p_key integer, p_model text, p_stream boolean, p_hold bigint,
   p_limit integer, p_ttl_s double precision, p_key_checks boolean)
 RETURNS TABLE (gid text, started_at timestamptz, reason text, available bigint,
@@ -87,7 +92,7 @@ BEGIN
   END IF;
   INSERT INTO usage_events (id, org_id, api_key_id, model, stream, status, hold_nanos,
                             started_at)
-  VALUES (p_gid, p_org, p_key, p_model, p_stream, 'pending', p_hold, v_now);
+  VALUES (p_gid, p_org, p_key, p_model, p_stream, '{PENDING}', p_hold, v_now);
   INSERT INTO in_flight (generation_id, org_id, hold_nanos, key_hold_nanos, expires_at)
   VALUES (p_gid, p_org, p_hold, CASE WHEN p_key_checks THEN p_hold ELSE 0 END,
           v_now + p_ttl_s * interval '1 second');
@@ -116,7 +121,7 @@ BEGIN
   END LOOP;
 END $$"""
 
-SETTLE = """CREATE OR REPLACE FUNCTION kiln_settle(p_batch jsonb)
+SETTLE = f"""CREATE OR REPLACE FUNCTION kiln_settle(p_batch jsonb)
 RETURNS TABLE (gid text, debited bigint)
 LANGUAGE plpgsql AS $$
 DECLARE
@@ -134,14 +139,14 @@ BEGIN
     SELECT e.id FROM usage_events e
      WHERE e.id IN (SELECT s.gid FROM jsonb_populate_recordset(NULL::kiln_settlement,
                                                                 p_batch) s)
-       AND e.status IN ('pending', 'abandoned')
+       AND e.status IN ('{PENDING}', '{ABANDONED}')
      ORDER BY e.id FOR UPDATE) e;
   SELECT array_agg(s.gid) INTO v_ids
     FROM jsonb_populate_recordset(NULL::kiln_settlement, p_batch) s
     JOIN usage_events e ON e.id = s.gid
    WHERE s.gid = ANY(v_ids)
      AND CASE WHEN s.expired_before IS NULL THEN true
-              WHEN e.status = 'pending' THEN EXISTS (
+              WHEN e.status = '{PENDING}' THEN EXISTS (
                 SELECT 1 FROM in_flight f WHERE f.generation_id = s.gid
                                             AND f.expires_at < s.expired_before)
               ELSE false END;
@@ -152,11 +157,11 @@ BEGIN
      AND NOT EXISTS (SELECT 1 FROM usage_events e WHERE e.id = s.gid);
   INSERT INTO usage_events (id, org_id, api_key_id, model, stream, status, hold_nanos,
                             started_at)
-  SELECT s.gid, s.org, s.key, s.model, s.stream, 'pending', 0, COALESCE(s.started_at, v_now)
+  SELECT s.gid, s.org, s.key, s.model, s.stream, '{PENDING}', 0, COALESCE(s.started_at, v_now)
     FROM jsonb_populate_recordset(NULL::kiln_settlement, p_batch) s
    WHERE s.gid = ANY(v_lost)
   ON CONFLICT (id) DO NOTHING;
-  v_ids := COALESCE(v_ids, '{}') || COALESCE(v_lost, '{}');
+  v_ids := COALESCE(v_ids, '{{}}') || COALESCE(v_lost, '{{}}');
   -- 2. The orgs' balance rows, locked in org order (keys and daily rows belong to an org).
   PERFORM 1 FROM credit_balances b
    WHERE b.org_id IN (SELECT e.org_id FROM usage_events e WHERE e.id = ANY(v_ids))
@@ -173,12 +178,12 @@ BEGIN
             RETURNING f.generation_id, f.key_hold_nanos),
   j AS (SELECT s.*, e.org_id, e.api_key_id, e.hold_nanos, e.started_at AS began,
                COALESCE(l.key_hold_nanos, 0) AS key_hold, (l.generation_id IS NOT NULL) AS leased,
-               (e.status = 'abandoned') AS fix,
-               CASE WHEN e.status = 'abandoned' THEN e.cost_nanos ELSE e.hold_nanos END AS base,
-               CASE WHEN e.status = 'abandoned' THEN e.cost_nanos ELSE 0 END AS was_cost,
-               CASE WHEN e.status = 'abandoned' THEN e.prompt_tokens ELSE 0 END AS was_prompt,
-               CASE WHEN e.status = 'abandoned' THEN e.cached_tokens ELSE 0 END AS was_cached,
-               CASE WHEN e.status = 'abandoned' THEN e.completion_tokens ELSE 0 END
+               (e.status = '{ABANDONED}') AS fix,
+               CASE WHEN e.status = '{ABANDONED}' THEN e.cost_nanos ELSE e.hold_nanos END AS base,
+               CASE WHEN e.status = '{ABANDONED}' THEN e.cost_nanos ELSE 0 END AS was_cost,
+               CASE WHEN e.status = '{ABANDONED}' THEN e.prompt_tokens ELSE 0 END AS was_prompt,
+               CASE WHEN e.status = '{ABANDONED}' THEN e.cached_tokens ELSE 0 END AS was_cached,
+               CASE WHEN e.status = '{ABANDONED}' THEN e.completion_tokens ELSE 0 END
                  AS was_completion
           FROM s JOIN usage_events e ON e.id = s.gid
           LEFT JOIN lease l ON l.generation_id = s.gid),
@@ -223,7 +228,7 @@ BEGIN
                                           cost_nanos)
             SELECT d.org_id, CAST(d.began AT TIME ZONE 'UTC' AS date), d.model, d.api_key_id,
                    COUNT(*) FILTER (WHERE NOT d.fix),
-                   SUM(CASE WHEN d.status <> 'completed' THEN 1 ELSE 0 END
+                   SUM(CASE WHEN d.status <> '{COMPLETED}' THEN 1 ELSE 0 END
                        - CASE WHEN d.fix THEN 1 ELSE 0 END),
                    SUM(d.prompt - d.was_prompt), SUM(d.cached - d.was_cached),
                    SUM(d.completion - d.was_completion), SUM(d.debit - d.was_cost)
@@ -239,7 +244,7 @@ BEGIN
   SELECT d.gid, d.debit FROM d;
 END $$"""
 
-RENEW = """CREATE OR REPLACE FUNCTION kiln_renew(
+RENEW = f"""CREATE OR REPLACE FUNCTION kiln_renew(
   p_ids text[], p_prompt integer[], p_cached integer[], p_completion integer[],
   p_ttl_s double precision)
 RETURNS TABLE (gid text, state text)
@@ -251,7 +256,7 @@ BEGIN
   PERFORM set_config('synchronous_commit', 'off', true);
   -- Events being settled right now are skipped, not waited for: their lease goes with them.
   SELECT array_agg(e.id) INTO v_locked FROM (
-    SELECT e.id FROM usage_events e WHERE e.id = ANY(p_ids) AND e.status = 'pending'
+    SELECT e.id FROM usage_events e WHERE e.id = ANY(p_ids) AND e.status = '{PENDING}'
      ORDER BY e.id FOR UPDATE SKIP LOCKED) e;
   UPDATE usage_events e SET prompt_tokens = p.prompt, cached_tokens = p.cached,
                             completion_tokens = p.completion, estimated = true
@@ -260,9 +265,9 @@ BEGIN
   UPDATE in_flight f SET expires_at = v_now + p_ttl_s * interval '1 second'
    WHERE f.generation_id = ANY(v_locked);
   RETURN QUERY
-    SELECT i.id, CASE WHEN i.id = ANY(COALESCE(v_locked, '{}')) THEN 'leased'
+    SELECT i.id, CASE WHEN i.id = ANY(COALESCE(v_locked, '{{}}')) THEN 'leased'
                       WHEN e.id IS NULL THEN 'missing'
-                      WHEN e.status = 'pending' THEN 'busy' ELSE 'settled' END
+                      WHEN e.status = '{PENDING}' THEN 'busy' ELSE 'settled' END
       FROM unnest(p_ids) AS i(id) LEFT JOIN usage_events e ON e.id = i.id;
 END $$"""
 

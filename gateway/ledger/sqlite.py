@@ -9,6 +9,7 @@ import sqlalchemy as sa
 
 from ..db import utcnow
 from ..models import api_keys, credit_balances, in_flight, usage_daily, usage_events
+from ..outcomes import Status
 
 NANOS = 10 ** 9
 
@@ -55,7 +56,7 @@ class SqliteStore:
                 return refused
             conn.execute(usage_events.insert().values(
                 id=a.gid, org_id=a.org_id, api_key_id=a.key_id, model=a.model, stream=a.stream,
-                status="pending", hold_nanos=a.hold_nanos, started_at=now))
+                status=Status.PENDING.value, hold_nanos=a.hold_nanos, started_at=now))
             conn.execute(in_flight.insert().values(
                 generation_id=a.gid, org_id=a.org_id, hold_nanos=a.hold_nanos,
                 key_hold_nanos=a.hold_nanos if a.key_checks else 0,
@@ -113,7 +114,7 @@ class SqliteStore:
         event = self._event(conn, s)
         if event is None or not self._settles(conn, s, event):
             return None
-        fix = event.status == "abandoned"
+        fix = event.status == Status.ABANDONED
         was = {k: getattr(event, k) if fix else 0
                for k in ("cost_nanos", "prompt_tokens", "cached_tokens", "completion_tokens")}
         bal = credit_balances.c
@@ -153,14 +154,14 @@ class SqliteStore:
         if event is None and s.expired_before is None:  # an admission lost in a crash
             conn.execute(usage_events.insert().values(
                 id=s.gid, org_id=s.org_id, api_key_id=s.key_id, model=s.model, stream=s.stream,
-                status="pending", hold_nanos=0, started_at=s.started_at or utcnow()))
+                status=Status.PENDING.value, hold_nanos=0, started_at=s.started_at or utcnow()))
             event = conn.execute(sa.select(*columns).where(ev.id == s.gid)).first()
         return event
 
     def _settles(self, conn, s, event):
         if s.expired_before is None:
-            return event.status in ("pending", "abandoned")
-        if event.status != "pending":
+            return event.status in (Status.PENDING, Status.ABANDONED)
+        if event.status != Status.PENDING:
             return False
         lease = conn.execute(sa.select(in_flight.c.expires_at)
                              .where(in_flight.c.generation_id == s.gid)).first()
@@ -182,7 +183,7 @@ class SqliteStore:
         key = {"org_id": s.org_id, "day": began.astimezone(timezone.utc).date(),
                "model": s.model, "api_key_id": s.key_id}
         u = s.usage
-        add = {"requests": int(not fix), "errors": int(s.status != "completed") - int(fix),
+        add = {"requests": int(not fix), "errors": int(s.status != Status.COMPLETED) - int(fix),
                "prompt_tokens": u.prompt - was["prompt_tokens"],
                "cached_tokens": u.cached - was["cached_tokens"],
                "completion_tokens": u.completion - was["completion_tokens"],
@@ -198,7 +199,7 @@ class SqliteStore:
             for gid, usage in leases:
                 status = conn.execute(sa.select(usage_events.c.status)
                                       .where(usage_events.c.id == gid)).scalar()
-                if status != "pending":
+                if status != Status.PENDING:
                     states[gid] = "missing" if status is None else "settled"
                     continue
                 if usage is not None:
