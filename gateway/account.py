@@ -69,7 +69,7 @@ def generation():
     if row is None:
         raise NotFound(f"No generation '{gid}' for this organization.", param="id")
     for _ in range(int(PENDING_WAIT_S / PENDING_POLL_S)):
-        if row.status != "pending":
+        if row.status != Status.PENDING:
             break
         gevent.sleep(PENDING_POLL_S)
         row = _usage_event(gid, g.principal.org_id)

@@ -75,7 +75,7 @@ def _usage_object(usage):
 def stream(gen):
     """Wait for the backend's status line up to one keepalive interval, then start the stream.
 
-    An error known before the headers leave is a JSON error (or the reference's plain-text 502)
+    An error known before the headers leave is a JSON error (or the plain-text 502 of README "API")
     with its own status; after that, a failure can only be told as an SSE error event.
     """
     config = gen.services.config

@@ -42,7 +42,7 @@ from gevent.event import Event
 
 from ..billing import Usage, cost_nanos, format_usd
 from ..db import is_postgres
-from ..errors import InsufficientCredits, RateLimited, ServiceUnavailable
+from ..errors import DatabaseBusy, DatabaseUnavailable, InsufficientCredits, RateLimited
 from ..outcomes import Status
 from .postgres import PostgresStore
 from .sqlite import SqliteStore
@@ -206,19 +206,17 @@ class Ledger:
         try:
             return self._admitter.admit(request, timeout_s=self.config.db_pool_timeout_s + 1)
         except (sa.exc.TimeoutError, gevent.Timeout) as err:
-            raise _database_busy() from err
+            raise DatabaseBusy() from err
         except (sa.exc.DBAPIError, psycopg.Error, OSError) as err:
             log.error("admission failed: database unavailable: %s", err)
-            raise ServiceUnavailable("Kiln cannot reach its database; retry with backoff.",
-                                     code="database_unavailable",
-                                     headers={"Retry-After": "5"}) from err
+            raise DatabaseUnavailable() from err
 
     def _settle_orphan(self, request, row):
         """Settle at once an admission that came back after its request gave up waiting (the
         client was told 503 ``database_busy``): nothing billed, its slot and hold released."""
         self.settle(Settlement(
             gid=row[0], org_id=request.org_id, key_id=request.key_id, model=request.model,
-            stream=request.stream, status="error", usage=Usage(), cost_nanos=0,
+            stream=request.stream, status=Status.ERROR.value, usage=Usage(), cost_nanos=0,
             http_status=503, error="the database answered after the request gave up waiting",
             error_code="database_busy", started_at=row[1]))
 
@@ -352,7 +350,3 @@ def insufficient_credits(available_nanos, hold_nanos):
         f"{format_usd(hold_nanos)} USD, its worst-case cost at max_tokens. Lower max_tokens, "
         f"or add credits.")
 
-
-def _database_busy():
-    return ServiceUnavailable("Kiln's database connections are all busy; retry with backoff.",
-                              code="database_busy", headers={"Retry-After": "1"})
