@@ -33,6 +33,33 @@ def process_tree(pids) -> list:
     return sorted(seen)
 
 
+def cpu_seconds(pids) -> float:
+    """User + system CPU seconds used so far by the given processes (gone ones count 0)."""
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as fh:
+                fields = fh.read().rsplit(b")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14, 15 of stat)
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def pids_named(name: str) -> list:
+    """PIDs of every process whose command name is ``name`` (e.g. ``postgres``)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/comm") as fh:
+                    if fh.read().strip() == name:
+                        out.append(int(entry))
+            except OSError:
+                pass
+    return out
+
+
 def rss_kb(pid: int) -> int:
     """VmRSS of one process in KiB (0 if it is gone)."""
     try:

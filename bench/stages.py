@@ -8,7 +8,10 @@ seconds per request of admission (``kiln_admission_seconds``), of the backend ca
 batch; at one connection a batch is one request), set against wrk's mean latency. The same
 runs with metering off (``KILN_METERING=false``) and with the answer held until its settlement
 commits (``KILN_SETTLE_BEFORE_ANSWER=true``; by default it leaves first, docs/METERING.md),
-which shows what settling on the client's clock costs. Prints one table; compare within a run.
+which shows what settling on the client's clock costs. Each mode also runs at 64 connections,
+where throughput is bounded by the machine's cores: the CPU milliseconds per request of Kiln's
+workers and of Postgres (from /proc) show which one spends them. Prints one table; compare
+within a run.
 
     python bench/stages.py [--seconds 10] [--rounds 2]
 
@@ -28,6 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import kiln_target as kt  # noqa: E402
+import procstat as ps  # noqa: E402
 import scenarios as sc  # noqa: E402
 import targets as tg  # noqa: E402
 
@@ -45,12 +49,28 @@ def measure(kiln: kt.KilnBench, mode: str, seconds: int) -> dict:
         before = _metrics(target)
         result = sc.wrk_run(target, 1, seconds)
         after = _metrics(target)
+        busy = _cpu_run(target, 64, seconds)
     finally:
         target.stop()
     out = {"wrk mean ms": 1000 / result["rps"], "p50 ms": result["p50_ms"]}
     for label, name in STAGES.items():
         out[label] = _delta_mean_ms(before, after, name)
+    out.update(busy)
     return out
+
+
+def _cpu_run(target: tg.Target, conns: int, seconds: int) -> dict:
+    """Run wrk at ``conns``; return req/s and the CPU ms per request of Kiln and Postgres."""
+    sc.wrk_run(target, conns, 2)
+    kiln_pids = ps.process_tree(target.pids)
+    pg_pids = ps.pids_named("postgres")
+    k0, p0 = ps.cpu_seconds(kiln_pids), ps.cpu_seconds(pg_pids)
+    result = sc.wrk_run(target, conns, seconds)
+    k1, p1 = ps.cpu_seconds(kiln_pids), ps.cpu_seconds(ps.pids_named("postgres"))
+    n = result["rps"] * seconds
+    return {f"req/s at {conns} conns": result["rps"],
+            f"Kiln CPU ms/request at {conns}": (k1 - k0) * 1000 / n,
+            f"Postgres CPU ms/request at {conns}": (p1 - p0) * 1000 / n}
 
 
 def _metrics(target: tg.Target) -> str:
