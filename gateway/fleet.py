@@ -153,7 +153,7 @@ class Route:
         elif self._others_up(backend):
             # A 5xx or a timeout never takes out a model's last backend in rotation: its
             # clients are better served by that backend's own errors than by 503s.
-            note_failure(backend, self.policy, err.code)
+            note_failure(backend, self.policy, err.code, request=True)
 
     def _others_up(self, backend):
         now = time.monotonic()
