@@ -145,12 +145,11 @@ class Generation:
 
     def open_response(self):
         """Return the first 2xx response of the route's backends (tries before the first byte)."""
-        return self.route.open(self._try)
+        return self.route.open(self._try, (self.timeouts.connect_s, self.timeouts.first_byte_s))
 
-    def _try(self, backend):
+    def _try(self, backend, timeouts_s):
         body = upstream.encode_body(upstream_body(self.chat, backend))
-        return upstream.open_chat(self.services.session, backend, body,
-                                  (self.timeouts.connect_s, self.timeouts.first_byte_s))
+        return upstream.open_chat(self.services.session, backend, body, timeouts_s)
 
     def send(self):
         """Send the request from its own greenlet; return the call."""

@@ -332,8 +332,8 @@ def test_a_connect_timeout_names_itself_and_is_retried_elsewhere(full_backlog, f
         route.release()
         return None
     route = wait_until(route_via_silent)
-    resp = route.open(lambda b: upstream.open_chat(session, b, json.dumps(
-        {"model": "m", "messages": MESSAGES}).encode(), (0.5, 5)))
+    resp = route.open(lambda b, timeouts_s: upstream.open_chat(session, b, json.dumps(
+        {"model": "m", "messages": MESSAGES}).encode(), timeouts_s), (0.5, 5))
     assert resp.status_code == 200 and route.tried == [silent.url, alive.url]
     resp.close()
     route.release()

@@ -4,7 +4,6 @@ import random
 import subprocess
 import sys
 import textwrap
-import time
 from collections import Counter
 from types import SimpleNamespace
 
@@ -15,12 +14,12 @@ from gateway import cli, routing
 from gateway.capacity import HostLoad, Slots
 from gateway.catalog import Backend, CatalogError, load_catalog
 from gateway.config import Config
-from gateway.errors import ServiceUnavailable, UpstreamError, UpstreamRejected, UpstreamTimeout
+from gateway.errors import ServiceUnavailable
 from gateway.fleet import Route
 from gateway.metrics import Metrics
-from gateway.upstream import FIRST_BYTE_TIMEOUT, UNREACHABLE
 
 URLS = ("http://a:1/v1", "http://b:1/v1", "http://c:1/v1")
+TIMEOUTS = (5.0, 30.0)  # a try's (connect, first byte) seconds
 
 
 def backends(weights=(1, 1, 1), caps=(0, 0, 0)):
@@ -194,94 +193,6 @@ def test_take_waits_for_a_slot_then_503_with_retry_after(tmp_path):
     holder.release()
     holder.release()  # twice is harmless
     assert Route(svc, entry(fleet), []).take(0).url == URLS[0]
-
-
-# -- retries -------------------------------------------------------------------------------
-
-def scripted(outcomes):
-    """``send(backend)`` that fails as ``outcomes[url]`` says (an exception), else answers."""
-    calls = []
-
-    def send(backend):
-        calls.append(backend.url)
-        err = outcomes.get(backend.url)
-        if err is not None:
-            raise err
-        return f"response of {backend.url}"
-    return send, calls
-
-
-def test_a_failure_before_the_first_byte_is_retried_on_another_backend(tmp_path):
-    fleet = backends()
-    route = Route(services(tmp_path, upstream_retries=2), entry(fleet), [])
-    route.take(0)
-    failing = {route.backend.url: UpstreamError("boom")}
-    send, calls = scripted(failing)
-    resp = route.open(send)
-    assert resp == f"response of {calls[-1]}" and len(calls) == 2 and len(set(calls)) == 2
-    assert route.tried == calls and route.backend.url == calls[-1]
-    assert sum(b.state.in_flight for b in fleet) == 1  # the failed try's slot was given back
-    route.release()
-    assert sum(b.state.in_flight for b in fleet) == 0
-
-
-def test_retries_stop_at_the_budget_and_raise_the_last_error(tmp_path):
-    fleet = backends()
-    route = Route(services(tmp_path, upstream_retries=1), entry(fleet), [])
-    route.take(0)
-    send, calls = scripted({u: UpstreamTimeout("slow", code=FIRST_BYTE_TIMEOUT) for u in URLS})
-    with pytest.raises(UpstreamTimeout):
-        route.open(send)
-    assert len(calls) == 2
-
-
-def test_no_retry_once_every_live_backend_was_tried(tmp_path):
-    fleet = backends()[:2]
-    route = Route(services(tmp_path, upstream_retries=5), entry(fleet), [])
-    route.take(0)
-    send, calls = scripted({u: UpstreamError("boom") for u in URLS})
-    with pytest.raises(UpstreamError):
-        route.open(send)
-    assert sorted(calls) == sorted(URLS[:2])
-
-
-def test_a_rejected_request_is_not_retried(tmp_path):
-    route = Route(services(tmp_path), entry(backends()), [])
-    route.take(0)
-    send, calls = scripted({u: UpstreamRejected("too long") for u in URLS})
-    with pytest.raises(UpstreamRejected):
-        route.open(send)
-    assert len(calls) == 1
-
-
-def test_failures_feed_the_breaker_but_never_eject_the_last_backend(tmp_path):
-    svc = services(tmp_path, upstream_retries=0, breaker_failures=2)
-    fleet = backends()[:2]
-    for _ in range(3):  # one of the two failed twice in a row by the third
-        route = Route(svc, entry(fleet), [])
-        route.take(0)
-        send, _ = scripted({u: UpstreamError("boom") for u in URLS})
-        with pytest.raises(UpstreamError):
-            route.open(send)
-        route.release()
-    out = [b for b in fleet if not b.state.breaker.is_up(time.monotonic())]
-    assert len(out) == 1 and out[0].state.breaker.requests_failed  # the probe leaves it out
-    alone = backends()[:1]
-    for _ in range(5):
-        route = Route(svc, entry(alone), [])
-        route.take(0)
-        with pytest.raises(UpstreamError):
-            route.open(scripted({URLS[0]: UpstreamError("boom")})[0])
-        route.release()
-    assert alone[0].state.breaker.is_up(time.monotonic())  # a 5xx keeps the only one in
-    route = Route(svc, entry(alone), [])
-    route.take(0)
-    with pytest.raises(UpstreamError):
-        route.open(scripted({URLS[0]: UpstreamError("refused", code=UNREACHABLE)})[0])
-    route.release()
-    with pytest.raises(ServiceUnavailable) as err:  # a refused connection takes it out
-        Route(svc, entry(alone), []).take(0)
-    assert err.value.code == "no_backend_available"
 
 
 # -- catalog -------------------------------------------------------------------------------
