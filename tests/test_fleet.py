@@ -122,7 +122,9 @@ def trio():
 def test_a_faulty_fleet_loses_no_request_and_bills_each_once(start_gateway, trio, tmp_path,
                                                              engine):
     """One backend refuses connections (its port is closed), one answers 500 before its
-    headers, one hangs before them: every request succeeds, billed once, every try on record."""
+    headers, one hangs before them: every request succeeds, billed once, every try on record.
+    The one that answered 500s is back (half-open) only after its cool-down: the probe does not
+    bring back a backend whose chat requests failed."""
     refusing, erring, hanging = trio
     erring.default, hanging.default = Phases(error_reply(500, "boom")), Phases([Hang()])
     erring.start(), hanging.start()
@@ -136,6 +138,8 @@ def test_a_faulty_fleet_loses_no_request_and_bills_each_once(start_gateway, trio
         with ThreadPoolExecutor(6) as pool:
             gids += pool.map(lambda i: sdk_call(gw.base_url, org.key, i % 2 == 0), range(24))
         phase.on.clear()
+        wait_until(lambda: metric(gw.base_url, "kiln_backend_state", backend=erring.base_url)
+                   < 2, timeout_s=70)  # in every worker: with the hanging one alone, 502s
     events = [usage_event(engine, gid) for gid in gids]
     assert {e["status"] for e in events} == {"completed"}
     assert all(e["cost_nanos"] == COST for e in events)
