@@ -7,10 +7,11 @@ Run: ``.venv/bin/python bench/fleet.py`` (Postgres on 127.0.0.1:5432, as for the
    refuses connections the whole run (its port is closed); one answers 500 before its headers
    during the first third of the requests; one hangs before its headers during the second third
    (first-byte timeout 1 s), which begins once the first is back from its cool-down (the probe
-   does not bring back a backend whose chat requests failed). ``--requests`` requests, half of them streams, ``--concurrency`` at
-   a time, through gunicorn. The same run against three healthy upstreams is the baseline of
-   the added latency. Printed: client-visible failures, usage events and the USD debited
-   (each request billed once), attempts per request, latency p50/p99 and what the faults add.
+   does not bring back a backend whose chat requests failed). ``--requests`` requests, half
+   of them streams, ``--concurrency`` at a time, through gunicorn. The same run against three
+   healthy upstreams is the baseline of the added latency. Printed: client-visible failures,
+   usage events and the USD debited (each request billed once), attempts per request,
+   latency p50/p99 and what the faults add.
 2. Prefix affinity: ``--conversations`` conversations of ``--turns`` turns each, all at once
    (turns of one conversation in order, each carrying the whole history), over three healthy
    upstreams that take 50 ms per answer, once per ``--load-bounds`` value (the catalog's
