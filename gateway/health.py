@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import gevent
 import requests
+from gevent.pool import Group
 
 from .upstream import unreachable
 
@@ -182,16 +183,31 @@ def start_prober(app):
 
 
 def _probe_forever(services):
+    """Probe every backend on its own cadence (a slow one delays no other's comeback), and
+    publish the breakers' states as often."""
     config = services.config
     policy = BreakerPolicy.from_config(config)
     backends = [(entry.id, b) for entry in services.catalog.values() for b in entry.backends]
+    loops = Group()
+    try:
+        for _, backend in backends:
+            loops.spawn(_probe_backend, services, backend, policy)
+        while True:
+            publish_states(services.metrics, backends)
+            gevent.sleep(config.probe_interval_s)
+    finally:
+        loops.kill(block=False)
+
+
+def _probe_backend(services, backend, policy):
+    """Probe ``backend`` every ``KILN_PROBE_INTERVAL_S``, counted from one probe's start to
+    the next: a backend that starts answering is seen within one interval."""
+    config = services.config
     while True:
-        probes = [gevent.spawn(probe, services.session, b, config.probe_path,
-                               config.probe_timeout_s, policy) for _, b in backends]
-        gevent.joinall(probes, timeout=config.probe_timeout_s * 2 + 1)
-        gevent.killall([p for p in probes if not p.ready()], block=False)
-        publish_states(services.metrics, backends)
-        gevent.sleep(config.probe_interval_s)
+        began = time.monotonic()
+        with gevent.Timeout(config.probe_timeout_s * 2 + 1, False):  # a trickling answer
+            probe(services.session, backend, config.probe_path, config.probe_timeout_s, policy)
+        gevent.sleep(max(0.0, config.probe_interval_s - (time.monotonic() - began)))
 
 
 def publish_states(metrics, backends):

@@ -27,6 +27,7 @@ COST = to_nanos(cost_usd(Usage(prompt=10, completion=5), PRICING))  # the fake's
 GRANT = 10 * 10**9
 MESSAGES = [{"role": "user", "content": "Hello"}]
 CHAT = "/v1/chat/completions"
+PROBE_INTERVAL_S = 0.5
 
 CATALOG = """
 [[models]]
@@ -166,7 +167,9 @@ def test_a_first_byte_timeout_is_a_plain_502_that_names_it(start_gateway, fake, 
     org = make_org(engine, "fleet-first-byte")
     for stream in (False, True):
         fake.enqueue([Hang()])
+        began = time.monotonic()
         r = chat(gw.base_url, org, stream)
+        assert 1 <= time.monotonic() - began < 1 + 1.5  # at the timeout, not after
         assert r.status_code == 502 and r.headers["Content-Type"].startswith("text/plain")
         assert "first byte timeout" in r.text
         event = usage_event(engine, r.headers["X-Neocloud-Generation-Id"])
@@ -227,7 +230,7 @@ def test_the_probe_takes_a_dead_backend_out_and_brings_it_back(start_gateway, tr
     coming, steady = trio[0], trio[1]
     steady.start()
     catalog = write_catalog(tmp_path / "m.toml", [coming.base_url, steady.base_url])
-    gw = start_gateway(models=catalog, probe_interval_s=0.5)
+    gw = start_gateway(models=catalog, probe_interval_s=PROBE_INTERVAL_S)
     org = make_org(engine, "fleet-probe")
     wait_until(lambda: metric(gw.base_url, "kiln_backend_state", backend=coming.base_url) == 2,
                timeout_s=30)
@@ -235,11 +238,14 @@ def test_the_probe_takes_a_dead_backend_out_and_brings_it_back(start_gateway, tr
         assert chat(gw.base_url, org, stream).status_code == 200
     assert all(json.loads(e["attempts"]) == [steady.base_url]
                for e in events_of(engine, org.id))
-    coming.start()
-    wait_until(lambda: metric(gw.base_url, "kiln_backend_state", backend=coming.base_url) == 0,
-               timeout_s=30)
+    coming.start()  # it answers its probe path from now on
+    answering = time.monotonic()
     wait_until(lambda: chat(gw.base_url, org, False) and any(
-        r.method == "POST" for r in coming.requests), timeout_s=30)
+        r.method == "POST" for r in coming.requests), timeout_s=PROBE_INTERVAL_S + 1)
+    routed = min(r.received_at for r in coming.requests if r.method == "POST")
+    assert routed - answering <= PROBE_INTERVAL_S + 1  # back within one probe interval
+    wait_until(lambda: metric(gw.base_url, "kiln_backend_state", backend=coming.base_url) == 0,
+               timeout_s=5)
 
 
 # -- drain and reload ----------------------------------------------------------------------
