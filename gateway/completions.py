@@ -298,9 +298,8 @@ class Generation:
         m.child(m.cost, model).inc(float(from_nanos(cost_nanos)))
         if self.first_token_s is not None:
             m.child(m.ttft, model).observe(self.first_token_s)
-            streamed_s = time.monotonic() - self.started - self.first_token_s
-            fleet.observe(m, self.route, self.first_token_s, usage.completion,
-                          streamed_s if self.chat.stream else 0)
+        fleet.observe(m, self.route, outcome.status.value, outcome.code, self.first_token_s,
+                      usage.completion, time.monotonic() - self.started if self.chat.stream else 0)
         if self.services.config.log_requests:
             log.info(json.dumps(self._log_record(outcome, usage, cost_nanos)))
 

@@ -36,6 +36,7 @@ class Route:
         self.policy = BreakerPolicy.from_config(self.config)
         self.tried = []        # backend URLs in order: the usage event's attempts
         self.backend = None    # the backend whose slot is held (the last tried)
+        self.answered = False  # that backend answered 2xx: what follows is its relay
         self._slot = None
 
     # -- choosing ----------------------------------------------------------------------------
@@ -129,6 +130,7 @@ class Route:
                 last = err
                 continue
             self.backend.state.breaker.success()
+            self.answered = True
             return resp
         raise AssertionError("unreachable")  # the last try returns or raises
 
@@ -180,14 +182,33 @@ def prepare(catalog, config):
         backend.state.attach(slots[backend.url], host_load, backend.url)
 
 
-def observe(metrics, route, first_token_s, completion_tokens, stream_s):
-    """Count a settled generation's time to first token on its backend, and its tokens/s
-    after the first (``stream_s`` 0: not a stream, no rate)."""
+# A generation's end (``usage_events.status``) that is its backend's failure once the backend had
+# answered: counted in ``kiln_backend_errors_total`` by the outcome's code, a stream that broke or
+# ended incomplete under its own kind (the code ``upstream_error`` is a failed try's too).
+BACKEND_FAILURES = ("upstream_error", "timeout")
+AFTER_HEADERS = {"upstream_error": "upstream_error_after_headers"}
+
+
+def observe(metrics, route, status, code, first_token_s, completion_tokens, elapsed_s):
+    """Count a settled generation on the backend that answered it: a failure of that backend
+    after its headers (an idle timeout, a broken or incomplete stream), its time to first
+    token, and its tokens/s after the first (not of a stream the backend failed: an idle
+    timeout's wait is no rate of generation).
+
+    :param status: the usage event's status; ``code`` its error code.
+    :param elapsed_s: admission to settlement, seconds (0: not a stream, no rate).
+    """
     backend = route.backend
-    if backend is None or first_token_s is None:
+    if backend is None or not route.answered:
+        return  # failed tries were counted as they failed (:meth:`Route._failed`)
+    model, failed = route.entry.id, status in BACKEND_FAILURES
+    if failed:
+        metrics.child(metrics.backend_errors, model, backend.url,
+                      AFTER_HEADERS.get(code, code)).inc()
+    if first_token_s is None:
         return
-    model = route.entry.id
     metrics.child(metrics.backend_ttft, model, backend.url).observe(first_token_s)
-    if stream_s > 0 and completion_tokens:
+    stream_s = elapsed_s - first_token_s
+    if not failed and elapsed_s > 0 and stream_s > 0 and completion_tokens:
         metrics.child(metrics.backend_tokens_per_s, model, backend.url).observe(
             completion_tokens / stream_s)
