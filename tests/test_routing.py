@@ -247,6 +247,9 @@ def test_kiln_catalog_check(tmp_path):
     assert bad.exit_code == 1 and "routing 'fastest' is not one of" in bad.output
     missing = runner.invoke(cli.main, ["catalog", "check", str(tmp_path / "nope.toml")])
     assert missing.exit_code == 1 and "nope.toml" in missing.output
+    named = runner.invoke(cli.main, ["catalog", "check"],  # no PATH: KILN_MODELS's
+                          env={"KILN_MODELS": str(write_catalog(tmp_path, routing="fastest"))})
+    assert named.exit_code == 1 and "routing 'fastest' is not one of" in named.output
 
 
 def test_a_server_named_by_two_models_has_one_cap(tmp_path):
