@@ -203,8 +203,8 @@ def observe(metrics, route, status, code, first_token_s, completion_tokens, elap
         return  # failed tries were counted as they failed (:meth:`Route._failed`)
     model, failed = route.entry.id, status in BACKEND_FAILURES
     if failed:
-        metrics.child(metrics.backend_errors, model, backend.url,
-                      AFTER_HEADERS.get(code, code)).inc()
+        kind = AFTER_HEADERS.get(code, code) or AFTER_HEADERS["upstream_error"]
+        metrics.child(metrics.backend_errors, model, backend.url, kind).inc()
     if first_token_s is None:
         return
     metrics.child(metrics.backend_ttft, model, backend.url).observe(first_token_s)
