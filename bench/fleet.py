@@ -6,10 +6,12 @@ Run: ``.venv/bin/python bench/fleet.py`` (Postgres on 127.0.0.1:5432, as for the
 1. Faults: three scripted fake upstreams behind one model id (tests/fake_upstream.py). One
    refuses connections the whole run (its port is closed); one answers 500 before its headers
    during the first third of the requests; one hangs before its headers during the second third
-   (first-byte timeout 1 s). ``--requests`` requests, half of them streams, ``--concurrency`` at
-   a time, through gunicorn. The same run against three healthy upstreams is the baseline of
-   the added latency. Printed: client-visible failures, usage events and the USD debited
-   (each request billed once), attempts per request, latency p50/p99 and what the faults add.
+   (first-byte timeout 1 s), which begins once the first is back from its cool-down (the probe
+   does not bring back a backend whose chat requests failed). ``--requests`` requests, half
+   of them streams, ``--concurrency`` at a time, through gunicorn. The same run against three
+   healthy upstreams is the baseline of the added latency. Printed: client-visible failures,
+   usage events and the USD debited (each request billed once), attempts per request,
+   latency p50/p99 and what the faults add.
 2. Prefix affinity: ``--conversations`` conversations of ``--turns`` turns each, all at once
    (turns of one conversation in order, each carrying the whole history), over three healthy
    upstreams that take 50 ms per answer, once per ``--load-bounds`` value (the catalog's
@@ -37,8 +39,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from fake_upstream import FakeUpstream, Hang, default_script, error_reply  # noqa: E402
 from gateway_proc import (Gateway, balance_nanos, create_database, drop_database,  # noqa: E402
-                          free_port, make_org, migrate)
-from test_fleet import write_catalog  # noqa: E402
+                          free_port, make_org, migrate, wait_until)
+from test_fleet import metric, write_catalog  # noqa: E402
 
 CHAT = "/v1/chat/completions"
 
@@ -141,6 +143,9 @@ class Bench:
 
         def on_third(third):
             erring.on.clear(), hanging.on.clear()
+            if third == 1:  # the probe does not bring back a backend whose chat failed
+                wait_until(lambda: metric(gw.base_url, "kiln_backend_state",
+                                          backend=fakes[0].base_url) < 2, timeout_s=70)
             if third in phases:
                 phases[third].set()
         try:

@@ -3,6 +3,7 @@ reload")."""
 import click
 
 from .catalog import CatalogError, load_catalog
+from .config import Config
 
 
 @click.group()
@@ -11,9 +12,12 @@ def catalog():
 
 
 @catalog.command("check")
-@click.argument("path", type=click.Path(dir_okay=False))
+@click.argument("path", type=click.Path(dir_okay=False), required=False)
 def catalog_check(path):
-    """Validate a catalog before a reload; exit status 1 and the reason if it is not valid."""
+    """Validate a catalog (PATH, else KILN_MODELS's) before a reload; exit status 1 and the
+    reason if it is not valid."""
+    if path is None:
+        path = Config.from_mapping().models
     try:
         models = load_catalog(path)
     except CatalogError as err:

@@ -145,12 +145,11 @@ class Generation:
 
     def open_response(self):
         """Return the first 2xx response of the route's backends (tries before the first byte)."""
-        return self.route.open(self._try)
+        return self.route.open(self._try, (self.timeouts.connect_s, self.timeouts.first_byte_s))
 
-    def _try(self, backend):
+    def _try(self, backend, timeouts_s):
         body = upstream.encode_body(upstream_body(self.chat, backend))
-        return upstream.open_chat(self.services.session, backend, body,
-                                  (self.timeouts.connect_s, self.timeouts.first_byte_s))
+        return upstream.open_chat(self.services.session, backend, body, timeouts_s)
 
     def send(self):
         """Send the request from its own greenlet; return the call."""
@@ -304,9 +303,8 @@ class Generation:
         m.child(m.cost, model).inc(float(from_nanos(cost_nanos)))
         if self.first_token_s is not None:
             m.child(m.ttft, model).observe(self.first_token_s)
-            streamed_s = time.monotonic() - self.started - self.first_token_s
-            fleet.observe(m, self.route, self.first_token_s, usage.completion,
-                          streamed_s if self.chat.stream else 0)
+        fleet.observe(m, self.route, outcome.status.value, outcome.code, self.first_token_s,
+                      usage.completion, time.monotonic() - self.started if self.chat.stream else 0)
         if self.services.config.log_requests:
             log.info(json.dumps(self._log_record(outcome, usage, cost_nanos)))
 

@@ -8,10 +8,13 @@ connection is proof enough: it opens the breaker at once. The requests' side
 (:meth:`gateway.fleet.Route.open`) never opens the breaker of a model's last backend in
 rotation on a 5xx or a timeout.
 
-Active: ``GET {url}{probe_path}``. An answer below 500 closes the breaker (the backend came
-back before a client paid for finding out); a refused connection or a 5xx counts as a failure;
-a probe that connected but got no answer in time says nothing (a single-slot llama.cpp server
-busy with a long generation answers its queue in order).
+Active: ``GET {url}{probe_path}``. An answer below 500 closes a breaker that only
+unreachability or probes opened (a restarted backend comes back before a client pays for
+finding out), never one that chat requests which reached the backend failed: a server whose
+``/models`` answers while its chat endpoint fails would otherwise be brought back every probe
+interval, its cool-down never growing; it comes back after its cool-down, half-open. A refused
+connection or a 5xx counts as a failure; a probe that connected but got no answer in time says
+nothing (a single-slot llama.cpp server busy with a long generation answers its queue in order).
 """
 import logging
 import time
@@ -19,6 +22,7 @@ from dataclasses import dataclass
 
 import gevent
 import requests
+from gevent.pool import Group
 
 from .upstream import unreachable
 
@@ -49,6 +53,9 @@ class Breaker:
         self.failures = 0       # consecutive failures since the last success or opening
         self.openings = 0       # openings since the last success: the cool-down grows with it
         self.open_until = 0.0   # time.monotonic() seconds
+        # A chat request that reached the backend failed (5xx, first-byte timeout) since the
+        # last success: only a request's success closes the breaker then, not the probe's.
+        self.requests_failed = False
 
     def is_up(self, now):
         """Whether requests may go to the backend (closed, or open past its cool-down)."""
@@ -60,13 +67,29 @@ class Breaker:
         return HALF_OPEN if self.openings else CLOSED
 
     def success(self):
-        """Close the breaker: any answer from the backend proves it is there."""
+        """Close the breaker: a request's answer proves the backend is there and serving."""
         self.failures = self.openings = 0
         self.open_until = 0.0
+        self.requests_failed = False
 
-    def failure(self, policy, at_once=False):
+    def probe_success(self):
+        """Close the breaker on a probe's answer unless failed chat requests count against
+        it (those wait out their cool-down); return whether it is closed."""
+        if not self.requests_failed:
+            self.success()
+        return not self.requests_failed
+
+    def failure(self, policy, at_once=False, request=False):
         """Count a failure; open the breaker past the threshold, at once when ``at_once``
-        (a refused connection) or when it was half-open. Return whether it opened."""
+        (unreachable: a refused connection or a connect timeout) or when it was half-open.
+        Return whether it opened.
+
+        :param request: a chat request that reached the backend failed (not a probe).
+        """
+        if at_once:  # the server is gone; whatever answers there next is a new process
+            self.requests_failed = False
+        elif request:
+            self.requests_failed = True
         self.failures += 1
         if not (at_once or self.openings or self.failures >= policy.failures):
             return False
@@ -106,11 +129,12 @@ class BackendState:
         return self.in_flight if total is None else total
 
 
-def note_failure(backend, policy, why, at_once=False):
-    """Count a failure of ``backend`` (a :class:`gateway.catalog.Backend`) on its breaker; say
-    in the log when that takes it out of rotation, and for how long."""
+def note_failure(backend, policy, why, at_once=False, request=False):
+    """Count a failure of ``backend`` (a :class:`gateway.catalog.Backend`) on its breaker
+    (:meth:`Breaker.failure`); say in the log when that takes it out of rotation, and for how
+    long."""
     breaker = backend.state.breaker
-    if breaker.failure(policy, at_once=at_once):
+    if breaker.failure(policy, at_once=at_once, request=request):
         log.warning("backend %s out of rotation for %.0f s: %s", backend.url,
                     breaker.open_until - time.monotonic(), why)
 
@@ -118,8 +142,9 @@ def note_failure(backend, policy, why, at_once=False):
 # -- active probe ------------------------------------------------------------------------------
 
 def probe(session, backend, path, timeout_s, policy):
-    """Probe ``backend`` once and feed its breaker; return ``"up"``, ``"down"`` or
-    ``"unknown"`` (connected, no answer in time).
+    """Probe ``backend`` once and feed its breaker; return ``"up"``, ``"down"``,
+    ``"unknown"`` (connected, no answer in time) or ``"failing"`` (answered, but its chat
+    requests failed: the breaker is left to its cool-down).
 
     A connection that cannot be made takes the backend out at once. One that drops without an
     answer is tried once more on a new connection first: the pooled connection may be one the
@@ -145,8 +170,7 @@ def probe(session, backend, path, timeout_s, policy):
     if resp.status_code >= 500:
         note_failure(backend, policy, f"probe answered {resp.status_code}")
         return "down"
-    backend.state.breaker.success()
-    return "up"
+    return "up" if backend.state.breaker.probe_success() else "failing"
 
 
 def start_prober(app):
@@ -159,16 +183,31 @@ def start_prober(app):
 
 
 def _probe_forever(services):
+    """Probe every backend on its own cadence (a slow one delays no other's comeback), and
+    publish the breakers' states as often."""
     config = services.config
     policy = BreakerPolicy.from_config(config)
     backends = [(entry.id, b) for entry in services.catalog.values() for b in entry.backends]
+    loops = Group()
+    try:
+        for _, backend in backends:
+            loops.spawn(_probe_backend, services, backend, policy)
+        while True:
+            publish_states(services.metrics, backends)
+            gevent.sleep(config.probe_interval_s)
+    finally:
+        loops.kill(block=False)
+
+
+def _probe_backend(services, backend, policy):
+    """Probe ``backend`` every ``KILN_PROBE_INTERVAL_S``, counted from one probe's start to
+    the next: a backend that starts answering is seen within one interval."""
+    config = services.config
     while True:
-        probes = [gevent.spawn(probe, services.session, b, config.probe_path,
-                               config.probe_timeout_s, policy) for _, b in backends]
-        gevent.joinall(probes, timeout=config.probe_timeout_s * 2 + 1)
-        gevent.killall([p for p in probes if not p.ready()], block=False)
-        publish_states(services.metrics, backends)
-        gevent.sleep(config.probe_interval_s)
+        began = time.monotonic()
+        with gevent.Timeout(config.probe_timeout_s * 2 + 1, False):  # a trickling answer
+            probe(services.session, backend, config.probe_path, config.probe_timeout_s, policy)
+        gevent.sleep(max(0.0, config.probe_interval_s - (time.monotonic() - began)))
 
 
 def publish_states(metrics, backends):

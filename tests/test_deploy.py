@@ -4,10 +4,12 @@ stub upstream, and the systemd unit (deploy/kiln-gateway.service) through system
 import dataclasses
 import http.client
 import json
+import os
 import re
 import shutil
 import socket
 import subprocess
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -15,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+import gateway
 import nginx_proc
 from gateway.config import Config
 
@@ -483,7 +486,7 @@ def _verifiable_copy(tmp_path):
     text, n_exec = re.subn(r"^(Exec\w*=[-@:+!]*)/opt/kiln/venv/bin/\S+.*$", r"\1/bin/true",
                            text, flags=re.MULTILINE)
     text, n_env = re.subn(r"^EnvironmentFile=(?!-)", "EnvironmentFile=-", text, flags=re.MULTILINE)
-    assert n_exec == 2 and n_env == 1, (n_exec, n_env)
+    assert n_exec == 3 and n_env == 1, (n_exec, n_env)
     copy = tmp_path / UNIT.name
     copy.write_text(text)
     return copy
@@ -506,7 +509,9 @@ def test_unit_settings_that_matter():
     assert one("ExecStartPre") == "/opt/kiln/venv/bin/kiln db upgrade"
     assert one("ExecStart") == ("/opt/kiln/venv/bin/gunicorn -c /opt/kiln/deploy/gunicorn.conf.py "
                                 "gateway.wsgi:app")
-    assert one("ExecReload") == "/bin/kill -HUP $MAINPID"
+    # The catalog is checked before the HUP: a bad one fails the reload, nothing is loaded.
+    assert settings["ExecReload"] == ["/opt/kiln/venv/bin/kiln catalog check",
+                                      "/bin/kill -HUP $MAINPID"]
     assert one("KillMode") == "mixed"
     assert int(one("TimeoutStopSec")) > 120
     assert one("Type") == "notify"
@@ -519,6 +524,27 @@ def test_unit_settings_that_matter():
                 "ProtectControlGroups", "RestrictNamespaces", "LockPersonality"):
         assert one(key) == "yes", key
     assert one("ProtectSystem") == "strict"
+
+
+def test_the_reload_refuses_a_bad_catalog(tmp_path):
+    """The unit's first ExecReload= line, run as systemd runs it (KILN_MODELS from the
+    environment file): 0 for a valid catalog, so the HUP follows; 1 for a bad one, so it
+    does not."""
+    reloads = [line.partition("=")[2].split() for line in UNIT.read_text().splitlines()
+               if line.startswith("ExecReload=")]
+    check = reloads[0]
+    command = [str(Path(sys.executable).with_name(Path(check[0]).name)), *check[1:]]
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[[models]]\nid = "m"\nrouting = "fastest"\n')
+    for catalog, status, said in (
+            (Path(gateway.__file__).with_name("demo_models.toml"), 0, ""),
+            (bad, 1, "Error: catalog entry 'm'"),
+            (tmp_path / "missing.toml", 1, "missing.toml: [Errno 2]")):
+        result = subprocess.run(command, env={**os.environ, "KILN_MODELS": str(catalog)},
+                                capture_output=True, text=True, timeout=60, check=False)
+        assert result.returncode == status, (catalog, result.stdout, result.stderr)
+        assert said in result.stderr and "Traceback" not in result.stderr
+    assert reloads[1] == ["/bin/kill", "-HUP", "$MAINPID"]
 
 
 def test_gunicorn_sends_sd_notify_ready():

@@ -27,6 +27,7 @@ COST = to_nanos(cost_usd(Usage(prompt=10, completion=5), PRICING))  # the fake's
 GRANT = 10 * 10**9
 MESSAGES = [{"role": "user", "content": "Hello"}]
 CHAT = "/v1/chat/completions"
+PROBE_INTERVAL_S = 0.5
 
 CATALOG = """
 [[models]]
@@ -122,7 +123,9 @@ def trio():
 def test_a_faulty_fleet_loses_no_request_and_bills_each_once(start_gateway, trio, tmp_path,
                                                              engine):
     """One backend refuses connections (its port is closed), one answers 500 before its
-    headers, one hangs before them: every request succeeds, billed once, every try on record."""
+    headers, one hangs before them: every request succeeds, billed once, every try on record.
+    The one that answered 500s is back (half-open) only after its cool-down: the probe does not
+    bring back a backend whose chat requests failed."""
     refusing, erring, hanging = trio
     erring.default, hanging.default = Phases(error_reply(500, "boom")), Phases([Hang()])
     erring.start(), hanging.start()
@@ -136,6 +139,8 @@ def test_a_faulty_fleet_loses_no_request_and_bills_each_once(start_gateway, trio
         with ThreadPoolExecutor(6) as pool:
             gids += pool.map(lambda i: sdk_call(gw.base_url, org.key, i % 2 == 0), range(24))
         phase.on.clear()
+        wait_until(lambda: metric(gw.base_url, "kiln_backend_state", backend=erring.base_url)
+                   < 2, timeout_s=70)  # in every worker: with the hanging one alone, 502s
     events = [usage_event(engine, gid) for gid in gids]
     assert {e["status"] for e in events} == {"completed"}
     assert all(e["cost_nanos"] == COST for e in events)
@@ -162,7 +167,9 @@ def test_a_first_byte_timeout_is_a_plain_502_that_names_it(start_gateway, fake, 
     org = make_org(engine, "fleet-first-byte")
     for stream in (False, True):
         fake.enqueue([Hang()])
+        began = time.monotonic()
         r = chat(gw.base_url, org, stream)
+        assert 1 <= time.monotonic() - began < 1 + 1.5  # at the timeout, not after
         assert r.status_code == 502 and r.headers["Content-Type"].startswith("text/plain")
         assert "first byte timeout" in r.text
         event = usage_event(engine, r.headers["X-Neocloud-Generation-Id"])
@@ -223,7 +230,7 @@ def test_the_probe_takes_a_dead_backend_out_and_brings_it_back(start_gateway, tr
     coming, steady = trio[0], trio[1]
     steady.start()
     catalog = write_catalog(tmp_path / "m.toml", [coming.base_url, steady.base_url])
-    gw = start_gateway(models=catalog, probe_interval_s=0.5)
+    gw = start_gateway(models=catalog, probe_interval_s=PROBE_INTERVAL_S)
     org = make_org(engine, "fleet-probe")
     wait_until(lambda: metric(gw.base_url, "kiln_backend_state", backend=coming.base_url) == 2,
                timeout_s=30)
@@ -231,11 +238,14 @@ def test_the_probe_takes_a_dead_backend_out_and_brings_it_back(start_gateway, tr
         assert chat(gw.base_url, org, stream).status_code == 200
     assert all(json.loads(e["attempts"]) == [steady.base_url]
                for e in events_of(engine, org.id))
-    coming.start()
-    wait_until(lambda: metric(gw.base_url, "kiln_backend_state", backend=coming.base_url) == 0,
-               timeout_s=30)
+    coming.start()  # it answers its probe path from now on
+    answering = time.monotonic()
     wait_until(lambda: chat(gw.base_url, org, False) and any(
-        r.method == "POST" for r in coming.requests), timeout_s=30)
+        r.method == "POST" for r in coming.requests), timeout_s=PROBE_INTERVAL_S + 1)
+    routed = min(r.received_at for r in coming.requests if r.method == "POST")
+    assert routed - answering <= PROBE_INTERVAL_S + 1  # back within one probe interval
+    wait_until(lambda: metric(gw.base_url, "kiln_backend_state", backend=coming.base_url) == 0,
+               timeout_s=5)
 
 
 # -- drain and reload ----------------------------------------------------------------------
@@ -332,8 +342,8 @@ def test_a_connect_timeout_names_itself_and_is_retried_elsewhere(full_backlog, f
         route.release()
         return None
     route = wait_until(route_via_silent)
-    resp = route.open(lambda b: upstream.open_chat(session, b, json.dumps(
-        {"model": "m", "messages": MESSAGES}).encode(), (0.5, 5)))
+    resp = route.open(lambda b, timeouts_s: upstream.open_chat(session, b, json.dumps(
+        {"model": "m", "messages": MESSAGES}).encode(), timeouts_s), (0.5, 5))
     assert resp.status_code == 200 and route.tried == [silent.url, alive.url]
     resp.close()
     route.release()

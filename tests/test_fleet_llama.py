@@ -3,14 +3,17 @@ restarted, through the gateway and the official openai SDK (docs/ROUTING.md)."""
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import openai
 import pytest
+import requests
 import sqlalchemy as sa
 
 from gateway_proc import Gateway, free_port, make_org, wait_until
 from model_server import start_model_server, stop, wait_ready
+from test_fleet import metric
 
 pytestmark = pytest.mark.llama
 
@@ -40,8 +43,24 @@ class Server:
         self.log = Path(tempfile.mkdtemp()) / "llama.log"
 
     def start(self):
-        self.proc = start_model_server(sys.executable, self.port, self.log)
+        self.launch()
         wait_ready(f"http://127.0.0.1:{self.port}", timeout_s=180, proc=self.proc)
+
+    def launch(self):
+        self.proc = start_model_server(sys.executable, self.port, self.log)
+
+    def answering(self, timeout_s=180):
+        """Wait for the server's first 200 on ``GET /v1/models`` (the gateway's probe path);
+        return its ``time.monotonic()``, polled every 50 ms."""
+        url = f"http://127.0.0.1:{self.port}/v1/models"
+
+        def answered():
+            try:
+                with requests.get(url, timeout=2) as r:
+                    return time.monotonic() if r.status_code == 200 else None
+            except requests.ConnectionError:
+                return None
+        return wait_until(answered, timeout_s=timeout_s)
 
     def kill(self):
         self.proc.kill()
@@ -118,23 +137,37 @@ def test_a_killed_backend_costs_no_request_and_comes_back(pair, pg_url, engine, 
                   "KILN_BREAKER_COOLDOWN_S": "600", "KILN_BREAKER_MAX_COOLDOWN_S": "600"},
                  workers=2).start()
     org = make_org(engine, "fleet-llama", usd="10", limit=16)
+    traffic = None
     try:
         traffic = Traffic(gw.base_url, org.key)
         wait_until(lambda: traffic.count("ok") >= 6, timeout_s=180)
         victim.kill()
         settled = len(traffic.outcomes)
         wait_until(lambda: len(traffic.outcomes) >= settled + 12, timeout_s=300)
-        victim.start()
+        tries_before = tries_on(gw, victim)
+        victim.launch()
+        answering = victim.answering()  # the long wait is the model's loading only
+        wait_until(lambda: tries_on(gw, victim) > tries_before,
+                   timeout_s=PROBE_INTERVAL_S + 1)
+        routed = time.monotonic()
         since = backends_since(engine, org.id)
         wait_until(lambda: served_by(backends_after(engine, org.id, since), victim.port),
                    timeout_s=60)
-        traffic.finish()
     finally:
+        if traffic is not None:
+            traffic.finish()
         gw.stop()
     assert traffic.count("failed_before_relay") == 0, traffic.outcomes
     assert traffic.count("failed_mid_stream") <= 3  # at most the streams it was relaying
     assert traffic.count("ok") >= 18
     assert served_by(backends_after(engine, org.id, 0), steady.port)
+    assert routed - answering <= PROBE_INTERVAL_S + 1  # back within one probe interval
+
+
+def tries_on(gw, server):
+    """The tries the gateway has sent ``server`` (``kiln_backend_requests_total``)."""
+    return metric(gw.base_url, "kiln_backend_requests_total",
+                  backend=f"http://127.0.0.1:{server.port}/v1") or 0
 
 
 def backends_since(engine, org_id):

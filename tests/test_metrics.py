@@ -9,8 +9,9 @@ import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
-from fake_upstream import Hang, Status, error_reply
+from fake_upstream import Hang, Reset, Status, chat_chunk, error_reply, sse
 from gateway_proc import make_org, wait_until
+from test_fleet import write_catalog
 
 pytestmark = pytest.mark.postgres
 
@@ -105,6 +106,40 @@ def test_errors_by_code_and_the_in_flight_gauge(start_gateway, fake, engine):
     assert value(m, "kiln_requests_total", model="fake-model", status="upstream_error") == 1
     assert value(m, "kiln_requests_total", model="fake-model", status="client_cancelled") == 1
     assert value(m, "kiln_requests_total", model="fake-model", status="completed") == 0
+
+
+def test_per_backend_series_and_its_failures_by_kind(start_gateway, fake, engine, tmp_path):
+    """``kiln_backend_*``: every try, in flight back to 0, time to first token and tokens/s of
+    what it served, and its failures by kind, before its headers and after them."""
+    catalog = write_catalog(tmp_path / "m.toml", [fake.base_url],
+                            timeouts="first_byte_s = 30, idle_s = 1")
+    gw = start_gateway(models=catalog)
+    org = make_org(engine, "metrics-backend")
+
+    def post(stream):
+        body = {"model": "fleet-model", "messages": BODY["messages"], "stream": stream}
+        r = requests.post(gw.base_url + "/v1/chat/completions", json=body,
+                          headers={**org.headers, **CLOSE}, timeout=60)
+        return r.status_code, r.text
+    began = sse([chat_chunk("Hello", role="assistant")], done=False)
+    assert post(False)[0] == 200 and post(True)[0] == 200
+    fake.enqueue(began + [Hang()])  # silent after its first token: the idle timeout
+    status, text = post(True)
+    assert status == 200 and '"code": "upstream_idle_timeout"' in text
+    fake.enqueue(began + [Reset()])  # the connection breaks mid-stream
+    status, text = post(True)
+    assert status == 200 and '"code": "upstream_error"' in text
+    fake.enqueue(error_reply(500, "boom"))  # a failed try, before its headers
+    assert post(False)[0] == 502
+    labels = {"model": "fleet-model", "backend": fake.base_url}
+    wait_until(lambda: value(scrape(gw), "kiln_backend_in_flight", **labels) == 0, timeout_s=30)
+    m = scrape(gw)
+    assert value(m, "kiln_backend_requests_total", **labels) == 5
+    assert value(m, "kiln_backend_time_to_first_token_seconds_count", **labels) == 4
+    assert value(m, "kiln_backend_tokens_per_second_count", **labels) == 1  # the whole stream
+    assert value(m, "kiln_backend_tokens_per_second_sum", **labels) > 0
+    for kind in ("upstream_idle_timeout", "upstream_error_after_headers", "upstream_error"):
+        assert value(m, "kiln_backend_errors_total", kind=kind, **labels) == 1, kind
 
 
 def test_counts_survive_a_reload_and_dead_workers_leave_no_in_flight(start_gateway, fake,

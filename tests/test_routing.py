@@ -1,10 +1,9 @@
-"""Routing policies, the circuit breaker, per-backend slots, retries and the catalog's fleet
-fields, in-process (docs/ROUTING.md). Through gunicorn: tests/test_fleet.py."""
+"""Routing policies, per-backend slots, retries and the catalog's fleet fields, in-process
+(docs/ROUTING.md). Through gunicorn: tests/test_fleet.py."""
 import random
 import subprocess
 import sys
 import textwrap
-import time
 from collections import Counter
 from types import SimpleNamespace
 
@@ -15,13 +14,12 @@ from gateway import cli, routing
 from gateway.capacity import HostLoad, Slots
 from gateway.catalog import Backend, CatalogError, load_catalog
 from gateway.config import Config
-from gateway.errors import ServiceUnavailable, UpstreamError, UpstreamRejected, UpstreamTimeout
+from gateway.errors import ServiceUnavailable
 from gateway.fleet import Route
-from gateway.health import Breaker, BreakerPolicy
 from gateway.metrics import Metrics
-from gateway.upstream import FIRST_BYTE_TIMEOUT, UNREACHABLE
 
 URLS = ("http://a:1/v1", "http://b:1/v1", "http://c:1/v1")
+TIMEOUTS = (5.0, 30.0)  # a try's (connect, first byte) seconds
 
 
 def backends(weights=(1, 1, 1), caps=(0, 0, 0)):
@@ -131,82 +129,6 @@ def test_a_looser_load_bound_keeps_more_on_home():
     assert routing.rank("prefix-affinity", fleet, key, load_bound=1.5)[0] is home
 
 
-# -- circuit breaker -----------------------------------------------------------------------
-
-def test_breaker_opens_after_consecutive_failures_with_growing_cooldown():
-    policy, breaker = BreakerPolicy(failures=3, cooldown_s=10, max_cooldown_s=25), Breaker()
-    assert not breaker.failure(policy) and not breaker.failure(policy)
-    breaker.success()  # not consecutive any more
-    assert not breaker.failure(policy) and not breaker.failure(policy)
-    assert breaker.failure(policy)
-    now = time.monotonic()
-    assert not breaker.is_up(now) and breaker.state(now) == "open"
-    assert 9 < breaker.open_until - now <= 10
-    assert breaker.is_up(now + 11) and breaker.state(now + 11) == "half_open"
-    assert breaker.failure(policy)  # half-open: one failure reopens, for twice as long
-    assert 19 < breaker.open_until - time.monotonic() <= 20
-    assert breaker.failure(policy)
-    assert 24 < breaker.open_until - time.monotonic() <= 25  # the ceiling
-    breaker.success()
-    assert breaker.state(time.monotonic()) == "closed"
-    assert not breaker.failure(policy)  # a fresh count after closing
-
-
-def test_a_refused_connection_opens_at_once():
-    breaker = Breaker()
-    assert breaker.failure(BreakerPolicy(), at_once=True)
-    assert not breaker.is_up(time.monotonic())
-
-
-def test_a_probe_that_cannot_connect_takes_the_backend_out_and_says_so(caplog):
-    import requests
-
-    from factories import UNREACHABLE_BACKEND
-    from gateway.health import probe
-    backend = Backend(url=UNREACHABLE_BACKEND, model="m")
-    with caplog.at_level("WARNING", logger="gateway.health"), requests.Session() as session:
-        assert probe(session, backend, "/models", 5, BreakerPolicy(cooldown_s=5)) == "down"
-    assert not backend.state.breaker.is_up(time.monotonic())
-    assert f"backend {UNREACHABLE_BACKEND} out of rotation for 5 s: probe could not connect " \
-        "(ConnectionError)" in caplog.text
-
-
-def test_a_probe_on_a_connection_the_server_dropped_tries_a_new_one(caplog):
-    """A model server that closes an idle keep-alive connection (uvicorn after 5 s) just as
-    the next probe reuses it is not taken out of rotation."""
-    import socket
-    import threading
-
-    import requests
-
-    from gateway.health import probe
-    listener = socket.create_server(("127.0.0.1", 0))
-    connections = []
-
-    answer = b'HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}'  # keep-alive
-
-    def serve():
-        first, _ = listener.accept()
-        connections.append(first)
-        first.recv(65536)
-        first.sendall(answer)
-        first.recv(65536)  # the next probe, on the kept connection: its keep-alive ran out
-        first.close()      # as it arrived, so it is closed unanswered
-        second, _ = listener.accept()
-        connections.append(second)
-        second.recv(65536)
-        second.sendall(answer)
-        second.close()
-    threading.Thread(target=serve, daemon=True).start()
-    backend = Backend(url=f"http://127.0.0.1:{listener.getsockname()[1]}/v1", model="m")
-    with caplog.at_level("WARNING", logger="gateway.health"), requests.Session() as session:
-        assert probe(session, backend, "/models", 5, BreakerPolicy()) == "up"
-        assert probe(session, backend, "/models", 5, BreakerPolicy()) == "up"
-    assert backend.state.breaker.is_up(time.monotonic()) and "out of rotation" not in caplog.text
-    assert len(connections) == 2
-    listener.close()
-
-
 # -- slots ---------------------------------------------------------------------------------
 
 def test_slots_cap_a_backend_across_processes(tmp_path):
@@ -273,93 +195,6 @@ def test_take_waits_for_a_slot_then_503_with_retry_after(tmp_path):
     assert Route(svc, entry(fleet), []).take(0).url == URLS[0]
 
 
-# -- retries -------------------------------------------------------------------------------
-
-def scripted(outcomes):
-    """``send(backend)`` that fails as ``outcomes[url]`` says (an exception), else answers."""
-    calls = []
-
-    def send(backend):
-        calls.append(backend.url)
-        err = outcomes.get(backend.url)
-        if err is not None:
-            raise err
-        return f"response of {backend.url}"
-    return send, calls
-
-
-def test_a_failure_before_the_first_byte_is_retried_on_another_backend(tmp_path):
-    fleet = backends()
-    route = Route(services(tmp_path, upstream_retries=2), entry(fleet), [])
-    route.take(0)
-    failing = {route.backend.url: UpstreamError("boom")}
-    send, calls = scripted(failing)
-    resp = route.open(send)
-    assert resp == f"response of {calls[-1]}" and len(calls) == 2 and len(set(calls)) == 2
-    assert route.tried == calls and route.backend.url == calls[-1]
-    assert sum(b.state.in_flight for b in fleet) == 1  # the failed try's slot was given back
-    route.release()
-    assert sum(b.state.in_flight for b in fleet) == 0
-
-
-def test_retries_stop_at_the_budget_and_raise_the_last_error(tmp_path):
-    fleet = backends()
-    route = Route(services(tmp_path, upstream_retries=1), entry(fleet), [])
-    route.take(0)
-    send, calls = scripted({u: UpstreamTimeout("slow", code=FIRST_BYTE_TIMEOUT) for u in URLS})
-    with pytest.raises(UpstreamTimeout):
-        route.open(send)
-    assert len(calls) == 2
-
-
-def test_no_retry_once_every_live_backend_was_tried(tmp_path):
-    fleet = backends()[:2]
-    route = Route(services(tmp_path, upstream_retries=5), entry(fleet), [])
-    route.take(0)
-    send, calls = scripted({u: UpstreamError("boom") for u in URLS})
-    with pytest.raises(UpstreamError):
-        route.open(send)
-    assert sorted(calls) == sorted(URLS[:2])
-
-
-def test_a_rejected_request_is_not_retried(tmp_path):
-    route = Route(services(tmp_path), entry(backends()), [])
-    route.take(0)
-    send, calls = scripted({u: UpstreamRejected("too long") for u in URLS})
-    with pytest.raises(UpstreamRejected):
-        route.open(send)
-    assert len(calls) == 1
-
-
-def test_failures_feed_the_breaker_but_never_eject_the_last_backend(tmp_path):
-    svc = services(tmp_path, upstream_retries=0, breaker_failures=2)
-    fleet = backends()[:2]
-    for _ in range(3):  # one of the two failed twice in a row by the third
-        route = Route(svc, entry(fleet), [])
-        route.take(0)
-        send, _ = scripted({u: UpstreamError("boom") for u in URLS})
-        with pytest.raises(UpstreamError):
-            route.open(send)
-        route.release()
-    assert sum(not b.state.breaker.is_up(time.monotonic()) for b in fleet) == 1
-    alone = backends()[:1]
-    for _ in range(5):
-        route = Route(svc, entry(alone), [])
-        route.take(0)
-        with pytest.raises(UpstreamError):
-            route.open(scripted({URLS[0]: UpstreamError("boom")})[0])
-        route.release()
-    assert alone[0].state.breaker.is_up(time.monotonic())  # a 5xx keeps the only one in
-    route = Route(svc, entry(alone), [])
-    route.take(0)
-    with pytest.raises(UpstreamError):
-        route.open(scripted({URLS[0]: UpstreamError("refused", code=UNREACHABLE)})[0])
-    route.release()
-    with pytest.raises(ServiceUnavailable) as err:  # a refused connection takes it out
-        Route(svc, entry(alone), []).take(0)
-    assert err.value.code == "no_backend_available"
-
-
 # -- catalog -------------------------------------------------------------------------------
 
 FLEET_CATALOG = """
@@ -412,6 +247,9 @@ def test_kiln_catalog_check(tmp_path):
     assert bad.exit_code == 1 and "routing 'fastest' is not one of" in bad.output
     missing = runner.invoke(cli.main, ["catalog", "check", str(tmp_path / "nope.toml")])
     assert missing.exit_code == 1 and "nope.toml" in missing.output
+    named = runner.invoke(cli.main, ["catalog", "check"],  # no PATH: KILN_MODELS's
+                          env={"KILN_MODELS": str(write_catalog(tmp_path, routing="fastest"))})
+    assert named.exit_code == 1 and "routing 'fastest' is not one of" in named.output
 
 
 def test_a_server_named_by_two_models_has_one_cap(tmp_path):
