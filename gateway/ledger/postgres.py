@@ -210,10 +210,7 @@ BEGIN
                     WHEN k.period_start IS DISTINCT FROM kiln_period_start(k.limit_reset, v_now)
                     THEN t.debit ELSE k.period_spent_nanos + t.debit END,
                   period_start = kiln_period_start(k.limit_reset, v_now),
-                  held_nanos = k.held_nanos - t.key_hold,
-                  last_used_at = CASE WHEN k.last_used_at IS NULL
-                                        OR k.last_used_at < v_now - interval '1 minute'
-                                      THEN v_now ELSE k.last_used_at END
+                  held_nanos = k.held_nanos - t.key_hold
              FROM (SELECT d.api_key_id, SUM(d.debit - d.was_cost) AS debit,
                           SUM(d.key_hold) AS key_hold
                      FROM d GROUP BY d.api_key_id) t

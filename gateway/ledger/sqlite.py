@@ -170,12 +170,8 @@ class SqliteStore:
         k = conn.execute(sa.select(api_keys).where(api_keys.c.id == key_id)).first()
         period = period_start(k.limit_reset, now)
         spent = debit if _aware(k.period_start) != period else k.period_spent_nanos + debit
-        last_used = _aware(k.last_used_at)
         conn.execute(api_keys.update().where(api_keys.c.id == key_id).values(
-            period_start=period, period_spent_nanos=spent,
-            held_nanos=k.held_nanos - key_hold,
-            last_used_at=now if last_used is None or last_used < now - timedelta(minutes=1)
-            else last_used))
+            period_start=period, period_spent_nanos=spent, held_nanos=k.held_nanos - key_hold))
 
     def _daily(self, conn, s, began, debit, was, fix):
         d = usage_daily.c
