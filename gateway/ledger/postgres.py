@@ -220,7 +220,8 @@ BEGIN
                                           cost_nanos)
             SELECT d.org_id, CAST(d.began AT TIME ZONE 'UTC' AS date), d.model, d.api_key_id,
                    COUNT(*) FILTER (WHERE NOT d.fix),
-                   SUM(CASE WHEN d.status <> 'completed' THEN 1 ELSE 0 END
+                   SUM(CASE WHEN d.status NOT IN ('completed', 'client_cancelled')
+                            THEN 1 ELSE 0 END
                        - CASE WHEN d.fix THEN 1 ELSE 0 END),
                    SUM(d.prompt - d.was_prompt), SUM(d.cached - d.was_cached),
                    SUM(d.completion - d.was_completion), SUM(d.debit - d.was_cost)

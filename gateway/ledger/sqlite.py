@@ -11,6 +11,9 @@ from ..db import utcnow
 from ..models import api_keys, credit_balances, in_flight, usage_daily, usage_events
 
 NANOS = 10 ** 9
+# Settled statuses that are not errors in the activity rollup (docs/ACTIVITY.md, "What a row
+# counts"): the generation completed, or its client chose to stop it.
+NOT_ERRORS = ("completed", "client_cancelled")
 
 
 def period_start(reset, at):
@@ -178,7 +181,7 @@ class SqliteStore:
         key = {"org_id": s.org_id, "day": began.astimezone(timezone.utc).date(),
                "model": s.model, "api_key_id": s.key_id}
         u = s.usage
-        add = {"requests": int(not fix), "errors": int(s.status != "completed") - int(fix),
+        add = {"requests": int(not fix), "errors": int(s.status not in NOT_ERRORS) - int(fix),
                "prompt_tokens": u.prompt - was["prompt_tokens"],
                "cached_tokens": u.cached - was["cached_tokens"],
                "completion_tokens": u.completion - was["completion_tokens"],
