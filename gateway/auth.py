@@ -155,7 +155,8 @@ def _note_use(key_id):
 
 def touch_last_used(engine, key_id, interval_s):
     """Set the key's ``last_used_at`` to now unless it is already within ``interval_s``; return
-    whether a row was written. Errors are logged, never raised (nothing waits for this)."""
+    whether a row was written. A database error is logged, never raised (nothing waits for
+    this)."""
     now = utcnow()
     k = api_keys.c
     try:
