@@ -6,6 +6,8 @@ PYTHON3 ?= python3
 SEED    ?= 1
 DURATION ?= 120
 CASES   ?= 1000
+# Where tests keep what CI archives (the activity page's screenshot); git ignores it.
+TEST_ARTIFACTS_DIR ?= test-artifacts
 
 .DEFAULT_GOAL := help
 .PHONY: help install install-model run test check lint bench chaos fuzz clean
@@ -27,7 +29,7 @@ run: install-model  ## Start a model server, the gateway and a demo key; print a
 	scripts/run-demo.sh $(VENV)
 
 test: install-model  ## Run the whole test suite (Postgres on 127.0.0.1:5432, nginx, llama.cpp)
-	$(PY) -m pytest $(PYTEST_ARGS)
+	TEST_ARTIFACTS_DIR=$(TEST_ARTIFACTS_DIR) $(PY) -m pytest $(PYTEST_ARGS)
 
 check: install  ## Lint and the fast in-process tests (no gunicorn, no model server, no Postgres)
 	$(VENV)/bin/ruff check gateway tests bench

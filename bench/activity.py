@@ -55,7 +55,8 @@ SETUP = [
     """INSERT INTO usage_daily (org_id, day, model, api_key_id, requests, errors,
                                prompt_tokens, cached_tokens, completion_tokens, cost_nanos)
        SELECT org_id, CAST(started_at AT TIME ZONE 'UTC' AS date), model, api_key_id,
-              count(*), sum(CASE WHEN status <> 'completed' THEN 1 ELSE 0 END),
+              count(*),
+              sum(CASE WHEN status NOT IN ('completed', 'client_cancelled') THEN 1 ELSE 0 END),
               sum(prompt_tokens), sum(cached_tokens), sum(completion_tokens), sum(cost_nanos)
          FROM usage_events GROUP BY 1, 2, 3, 4""",
     "ANALYZE",
@@ -64,7 +65,8 @@ SETUP = [
 # The same answer computed from the events (what the rollup saves), for scale.
 FROM_EVENTS = """
 SELECT CAST(e.started_at AT TIME ZONE 'UTC' AS date) AS day, e.model, k.prefix, k.name,
-       count(*), sum(CASE WHEN e.status <> 'completed' THEN 1 ELSE 0 END),
+       count(*),
+       sum(CASE WHEN e.status NOT IN ('completed', 'client_cancelled') THEN 1 ELSE 0 END),
        sum(e.prompt_tokens), sum(e.cached_tokens), sum(e.completion_tokens), sum(e.cost_nanos)
   FROM usage_events e JOIN api_keys k ON k.id = e.api_key_id
  WHERE e.org_id = :org AND e.started_at >= :since AND e.status <> 'pending'

@@ -12,8 +12,8 @@ def create_app(config=None):
     :param config: a :class:`Config`, a mapping of Config field names, or None for the
         ``KILN_*`` environment.
     """
-    from . import (account, activity, body_process, catalog, chat, cors, fleet, health, intake,
-                   keys, metrics, openapi, ops, upstream)
+    from . import (account, activity, auth, body_process, catalog, chat, cors, fleet, health,
+                   intake, metrics, openapi, ops, upstream)
     from .completions import Services
     from .db import create_engine
     from .errors import register_error_handlers
@@ -34,12 +34,12 @@ def create_app(config=None):
     app.extensions.update({
         "kiln": services, "kiln.engine": engine, "kiln.catalog": services.catalog,
         "kiln.metrics": services.metrics, "kiln.key_cache": {}, "kiln.maintenance": {},
-        "kiln.unknown_keys": {},
+        "kiln.unknown_keys": {}, "kiln.key_used": {},
         "kiln.parse_budget": intake.ParseBudget(config.parse_budget_bytes, config.parse_wait_s),
         "kiln.body_process": body_process.BodyProcess(config.models, config.max_body_bytes),
     })
     register_error_handlers(app)
-    for blueprint in (chat.bp, catalog.bp, account.bp, keys.bp, activity.bp):
+    for blueprint in (auth.bp, chat.bp, catalog.bp, account.bp, activity.bp):
         app.register_blueprint(blueprint, url_prefix="/v1")
     app.register_blueprint(ops.bp)
     app.register_blueprint(openapi.bp)

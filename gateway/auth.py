@@ -1,4 +1,6 @@
-"""API keys: creation, revocation, and the ``Authorization: Bearer`` check on every API view.
+"""API keys: creation, revocation, the ``Authorization: Bearer`` check on every API view, and
+the ``auth`` blueprint beside it: ``GET /v1/key`` (the calling key) and ``GET /v1/keys`` (the
+org's keys), whose rows and limits are read by :mod:`gateway.keys`.
 
 Keys are random, shown once, stored as SHA-256 plus a short display prefix. Lookups are cached
 per process for ``KILN_KEY_CACHE_TTL_S`` seconds, so a revocation takes effect within that time.
@@ -7,21 +9,34 @@ client repeating a bad key costs no database query per request, and each repeat 
 only after :data:`UNKNOWN_KEY_DELAY_S` (a wait costs a gevent worker nothing, and a client
 flooding one bad key gets no more answers per second than it holds connections). Both caches
 are bounded in size.
+
+A key's ``last_used_at`` is written by the key check itself, so that every accepted request
+counts (also one then refused with 402 or 429, and ``GET`` calls), but not once per request:
+each worker writes it at most once per key per ``KILN_KEY_LAST_USED_INTERVAL_S`` (60 s), by a
+conditional ``UPDATE`` that leaves a time newer than the interval alone (so several workers and
+hosts write it about once per interval between them), in a greenlet of its own: the request
+neither waits for it nor fails with it; a failed write is logged.
 """
 import functools
 import hashlib
+import logging
 import re
 import secrets
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 
 import gevent
 import sqlalchemy as sa
-from flask import current_app, g, request
+from flask import Blueprint, current_app, g, jsonify, request
 
 from .db import utcnow
 from .errors import Forbidden, Unauthorized
+from .keys import key_by_id, key_view, org_keys
 from .models import api_keys, orgs
+
+bp = Blueprint("auth", __name__)
+log = logging.getLogger("kiln.auth")
 
 KEY_PREFIX = "kiln-"
 PREFIX_LEN = 12  # "kiln-" plus 7 random characters: enough to tell keys apart in logs
@@ -122,7 +137,38 @@ def authenticate():
         raise Forbidden("This API key has been revoked.", code="key_revoked")
     if principal.org_status != "active":
         raise Forbidden("This organization is suspended.", code="org_suspended")
+    _note_use(principal.key_id)
     return principal
+
+
+def _note_use(key_id):
+    """Write the key's ``last_used_at`` when this worker has not in the last interval."""
+    interval_s = current_app.config["KILN"].key_last_used_interval_s
+    noted = current_app.extensions["kiln.key_used"]
+    now = time.monotonic()
+    last = noted.get(key_id)
+    if last is not None and last > now - interval_s:
+        return
+    _remember(noted, key_id, now, now - interval_s)
+    gevent.spawn(touch_last_used, current_app.extensions["kiln.engine"], key_id, interval_s)
+
+
+def touch_last_used(engine, key_id, interval_s):
+    """Set the key's ``last_used_at`` to now unless it is already within ``interval_s``; return
+    whether a row was written. A database error is logged, never raised (nothing waits for
+    this)."""
+    now = utcnow()
+    k = api_keys.c
+    try:
+        with engine.begin() as conn:
+            return conn.execute(api_keys.update().where(
+                k.id == key_id,
+                sa.or_(k.last_used_at.is_(None),
+                       k.last_used_at < now - timedelta(seconds=interval_s)))
+                .values(last_used_at=now)).rowcount == 1
+    except sa.exc.SQLAlchemyError:  # a lost write only leaves last_used_at older
+        log.exception("writing last_used_at of key %s failed", key_id)
+        return False
 
 
 def _cached_lookup(key):
@@ -159,8 +205,9 @@ def _cached_lookup(key):
 
 
 def _remember(cache, digest, entry, now):
-    """Store ``entry`` under ``digest``; a full cache first drops its expired entries, and is
-    emptied if none has expired (a flood of distinct keys cannot grow it past the bound)."""
+    """Store ``entry`` under ``digest``; a full cache first drops its entries that expire (or
+    were noted) at or before ``now``, and is emptied if there are none (a flood of distinct
+    keys cannot grow it past the bound)."""
     if len(cache) >= _CACHE_MAX:
         for stale in [d for d, e in cache.items() if (e[0] if isinstance(e, tuple) else e) <= now]:
             del cache[stale]
@@ -176,3 +223,23 @@ def require_key(view):
         g.principal = authenticate()
         return view(*args, **kwargs)
     return wrapper
+
+
+# -- views: the calling key and its org's keys ---------------------------------------------------
+
+@bp.get("/key")
+@require_key
+def current_key():
+    """Show the calling key: label, prefix, limit, reset, usage this period, remaining, rate
+    limit, created and last-used times."""
+    row = key_by_id(current_app.extensions["kiln.engine"], g.principal.key_id)
+    return jsonify(key_view(row, utcnow()))
+
+
+@bp.get("/keys")
+@require_key
+def keys_of_org():
+    """List the caller's org's keys as ``GET /v1/key`` shows each (no secrets)."""
+    rows = org_keys(current_app.extensions["kiln.engine"], g.principal.org_id)
+    now = utcnow()
+    return jsonify({"object": "list", "data": [key_view(row, now) for row in rows]})

@@ -23,6 +23,8 @@ class Config:
     upstream_read_timeout_s: float = 300.0
     upstream_pool_size: int = 256
     key_cache_ttl_s: float = 10.0
+    # Each worker writes a key's last_used_at at most once per this many seconds (gateway/auth.py).
+    key_last_used_interval_s: float = 60.0
     maintenance_poll_s: float = 2.0
     sweep_interval_s: float = 15.0
     # The ledger's connections per worker: kept open, and opened beyond it under a burst

@@ -1,5 +1,6 @@
-"""What a key holder and an operator see of keys: ``GET /v1/key`` (the calling key),
-``GET /v1/keys`` (the org's keys, never their secrets), and the limit changes of ``kiln key``.
+"""What a key holder and an operator see of keys: the rows and their public description that
+``GET /v1/key`` and ``GET /v1/keys`` serve (the views are in :mod:`gateway.auth`, beside the key
+check; never a secret), and the limit changes of ``kiln key``.
 
 A key's spend limit counts what it spent in the current period (UTC day, ISO week, month, or
 all time when it never resets) plus the holds of its requests in flight; admission enforces it
@@ -12,17 +13,13 @@ from datetime import timezone
 from decimal import Decimal
 
 import sqlalchemy as sa
-from flask import Blueprint, current_app, g, jsonify
 
-from .auth import require_key
 from .billing import from_nanos, to_nanos
 from .db import utcnow
 from .ledger import next_period
 from .ledger.sqlite import period_start
 from .models import api_keys, usage_events
 from .outcomes import Status
-
-bp = Blueprint("keys", __name__)
 
 RESETS = ("daily", "weekly", "monthly")
 _COLUMNS = (api_keys.c.id, api_keys.c.prefix, api_keys.c.name, api_keys.c.created_at,
@@ -91,24 +88,6 @@ def key_by_id(engine, key_id):
     """Return the ``api_keys`` row of ``key_id`` (the columns of :data:`_COLUMNS`)."""
     with engine.connect() as conn:
         return conn.execute(sa.select(*_COLUMNS).where(api_keys.c.id == key_id)).one()
-
-
-@bp.get("/key")
-@require_key
-def current_key():
-    """Show the calling key: label, prefix, limit, reset, usage this period, remaining, rate
-    limit, created and last-used times."""
-    row = key_by_id(current_app.extensions["kiln.engine"], g.principal.key_id)
-    return jsonify(key_view(row, utcnow()))
-
-
-@bp.get("/keys")
-@require_key
-def keys_of_org():
-    """List the caller's org's keys as ``GET /v1/key`` shows each (no secrets)."""
-    rows = org_keys(current_app.extensions["kiln.engine"], g.principal.org_id)
-    now = utcnow()
-    return jsonify({"object": "list", "data": [key_view(row, now) for row in rows]})
 
 
 # -- operator changes (kiln key set) -------------------------------------------------------------

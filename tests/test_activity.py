@@ -11,10 +11,10 @@ import pytest
 import requests
 import sqlalchemy as sa
 
-from fake_upstream import error_reply
+from fake_upstream import Hang, Status, chat_completion, error_reply, json_reply, make_usage
 from gateway import auth, create_app
 from gateway.models import orgs, usage_daily
-from gateway_proc import balance_nanos, make_org, migrate
+from gateway_proc import balance_nanos, make_org, migrate, wait_until
 
 BODY = {"model": "fake-model", "messages": [{"role": "user", "content": "Say hello"}]}
 BAD_DATES = ["2026-02-30", "2026-1-01", "20261201", "yesterday", "", "2026-12-01T00:00:00",
@@ -31,30 +31,49 @@ def activity(gateway, org, **params):
                         timeout=30)
 
 
+def reply_with_cache(cached):
+    """The backend's answer, reporting ``cached`` of its 10 prompt tokens served from cache."""
+    usage = {**make_usage(10, 5), "prompt_tokens_details": {"cached_tokens": cached}}
+    return json_reply(chat_completion("Hello", usage=usage))
+
+
 @pytest.mark.postgres
 def test_activity_sums_equal_the_usage_events_and_the_balance_change(gateway, fake, engine):
-    """Two keys, two models, one backend failure: one row per model × key, whose requests,
-    errors, tokens and cost sum to the org's usage events; the costs sum to what left the
-    balance; another org sees none of it."""
+    """Two keys, two models, cached prompt tokens, one backend failure and one request its
+    client cancels: one row per model × key, whose requests, errors (the failure, not the
+    cancellation: docs/ACTIVITY.md), tokens and cost sum to the org's usage events; the costs
+    sum to what left the balance; another org sees none of it."""
     org = make_org(engine, f"act-{uuid.uuid4().hex[:8]}", usd="10")
     with engine.begin() as conn:
         second = auth.create_key(conn, org.id, name="ci-bot")
     start = balance_nanos(engine, org.id)[0]
-    for key, model in ((org.key, "fake-model"), (org.key, "fake-model"),
-                       (org.key, "fake-vision"), (second, "fake-model")):
+    for key, model, cached in ((org.key, "fake-model", 4), (org.key, "fake-model", 0),
+                               (org.key, "fake-vision", 3), (second, "fake-model", 6)):
+        fake.enqueue(reply_with_cache(cached))
         assert chat(gateway, key, model).status_code == 200
     fake.enqueue(error_reply(500, "backend down"))
     assert chat(gateway, second, "fake-model").status_code == 502
+    fake.enqueue([Status(200, {"Content-Type": "text/event-stream"}), Hang()])
+    with requests.post(gateway.base_url + "/v1/chat/completions", stream=True, timeout=30,
+                       json={**BODY, "stream": True},
+                       headers={"Authorization": f"Bearer {second}"}) as cancelled:
+        assert cancelled.status_code == 200
+        wait_until(lambda: fake.active == 1)
     balance = balance_nanos(engine, org.id)[0]
+    with engine.connect() as conn:
+        statuses = sorted(conn.execute(sa.text("SELECT status FROM usage_events WHERE "
+                                               "org_id = :o"), {"o": org.id}).scalars())
+    assert statuses == ["client_cancelled"] + ["completed"] * 4 + ["upstream_error"]
     body = activity(gateway, org).json()
     today = datetime.now(timezone.utc).date()
     assert (body["object"], body["end_date"]) == ("activity", today.isoformat())
     assert body["start_date"] == (today - timedelta(days=29)).isoformat()
     rows = body["data"]
-    assert [(r["date"], r["model"], r["key_prefix"], r["requests"], r["errors"]) for r in rows] \
-        == sorted([(today.isoformat(), "fake-model", org.key[:12], 2, 0),
-                   (today.isoformat(), "fake-model", second[:12], 2, 1),
-                   (today.isoformat(), "fake-vision", org.key[:12], 1, 0)])
+    assert [(r["date"], r["model"], r["key_prefix"], r["requests"], r["errors"],
+             r["cached_tokens"]) for r in rows] \
+        == sorted([(today.isoformat(), "fake-model", org.key[:12], 2, 0, 4),
+                   (today.isoformat(), "fake-model", second[:12], 3, 1, 6),
+                   (today.isoformat(), "fake-vision", org.key[:12], 1, 0, 3)])
     with engine.connect() as conn:
         events = conn.execute(sa.text(
             "SELECT count(*), sum(prompt_tokens), sum(cached_tokens), sum(completion_tokens), "
@@ -63,6 +82,7 @@ def test_activity_sums_equal_the_usage_events_and_the_balance_change(gateway, fa
     assert (sum(r["requests"] for r in rows), sum(r["prompt_tokens"] for r in rows),
             sum(r["cached_tokens"] for r in rows), sum(r["completion_tokens"] for r in rows),
             cost * 10**9) == tuple(events)
+    assert events[2] == 13
     assert cost * 10**9 == start - balance and cost > 0
     assert {r["key_label"] for r in rows} == {"test", "ci-bot"}
     assert activity(gateway, org, date=today.isoformat()).json()["data"] == rows

@@ -7,8 +7,10 @@ Without Chromium this test fails, naming the packages: the page is part of what 
 """
 import os
 import shutil
+import subprocess
+import sys
 import uuid
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, time, timedelta, timezone
 from decimal import Decimal
 from pathlib import Path
 
@@ -17,12 +19,13 @@ import sqlalchemy as sa
 
 from conftest import gateway_env
 from gateway import auth
-from gateway.models import usage_daily
+from gateway.models import usage_events
 from gateway_proc import Gateway, create_database, drop_database, make_org, migrate
 
 pytestmark = pytest.mark.postgres
 
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
+KILN = str(Path(sys.executable).with_name("kiln"))
 # (days ago, model, key, cost in nano-dollars)
 SEED = [(2, "fake-model", "web", 1_500_000), (2, "fake-vision", "web", 500_000),
         (1, "fake-model", "ci", 250_000), (0, "fake-model", "web", 3_000_000),
@@ -31,8 +34,10 @@ SEED = [(2, "fake-model", "web", 1_500_000), (2, "fake-vision", "web", 500_000),
 
 @pytest.fixture(scope="module")
 def seeded(catalog_path):
-    """A scratch database with an org ($10 granted, the seeded spend taken off), two keys and
-    its daily rollup; a gateway on it: ``(gateway, org, ci_key)``."""
+    """A scratch database with an org ($10 granted), two keys, and the usage of :data:`SEED`
+    as the ledger leaves it: settled usage events, their daily rollup, each key's spend in its
+    period and the balance less their cost (so ``kiln credits reconcile`` passes on it); a
+    gateway on it: ``(gateway, org, ci_key, url)``."""
     name = f"kiln_page_{uuid.uuid4().hex[:10]}"
     url = create_database(name)
     migrate(url)
@@ -43,34 +48,55 @@ def seeded(catalog_path):
                                  limit_reset="monthly", rpm_limit=30)
         _seed(conn, org.id)
     gw = Gateway(gateway_env(url, catalog_path), workers=1).start()
-    yield gw, org, ci_key
+    yield gw, org, ci_key, url
     gw.stop()
     engine.dispose()
     drop_database(name)
 
 
+# The rollup and the keys' spend from the events, as settlement leaves them (and as migration
+# 0003 backfills them).
+ROLLUP = """INSERT INTO usage_daily (org_id, day, model, api_key_id, requests, errors,
+    prompt_tokens, cached_tokens, completion_tokens, cost_nanos)
+  SELECT org_id, CAST(started_at AT TIME ZONE 'UTC' AS date), model, api_key_id, count(*),
+         count(*) FILTER (WHERE status <> 'completed'), sum(prompt_tokens), sum(cached_tokens),
+         sum(completion_tokens), sum(cost_nanos)
+    FROM usage_events WHERE org_id = :o GROUP BY 1, 2, 3, 4"""
+KEY_SPEND = """UPDATE api_keys k
+   SET period_start = kiln_period_start(k.limit_reset, now()),
+       period_spent_nanos = (SELECT COALESCE(sum(e.cost_nanos), 0) FROM usage_events e
+                              WHERE e.api_key_id = k.id AND e.status <> 'pending'
+                                AND (kiln_period_start(k.limit_reset, now()) IS NULL
+                                     OR e.ended_at >= kiln_period_start(k.limit_reset, now())))
+ WHERE k.org_id = :o"""
+
+
 def _seed(conn, org_id):
+    """Three settled events per :data:`SEED` row (its cost split among them), a second after
+    the UTC midnight that starts their day."""
     keys = dict(conn.execute(sa.text("SELECT name, id FROM api_keys WHERE org_id = :o"),
                              {"o": org_id}).all())
     keys = {"web": keys["test"], "ci": keys["ci-bot"]}
     today = datetime.now(timezone.utc).date()
     for age, model, key, cost in SEED:
-        conn.execute(usage_daily.insert().values(
-            org_id=org_id, day=today - timedelta(days=age), model=model, api_key_id=keys[key],
-            requests=3, errors=0, prompt_tokens=10, cached_tokens=0, completion_tokens=5,
-            cost_nanos=cost))
-    month = datetime(today.year, today.month, 1, tzinfo=timezone.utc)
-    conn.execute(sa.text("UPDATE api_keys SET period_start = :m, period_spent_nanos = :s "
-                         "WHERE id = :k"), {"m": month, "s": ci_spent(today, month.date()),
-                                            "k": keys["ci"]})
+        at = datetime.combine(today - timedelta(days=age), time(0, 0, 1), timezone.utc)
+        for part in (cost // 3, cost // 3, cost - 2 * (cost // 3)):
+            conn.execute(usage_events.insert().values(
+                id=f"gen-{uuid.uuid4().hex[:24]}", org_id=org_id, api_key_id=keys[key],
+                model=model, stream=False, status="completed", prompt_tokens=4,
+                cached_tokens=1, completion_tokens=2, cost_nanos=part, http_status=200,
+                started_at=at, ended_at=at))
+    conn.execute(sa.text(ROLLUP), {"o": org_id})
+    conn.execute(sa.text(KEY_SPEND), {"o": org_id})
     conn.execute(sa.text("UPDATE credit_balances SET balance_nanos = balance_nanos - :c "
                          "WHERE org_id = :o"), {"c": sum(s[3] for s in SEED), "o": org_id})
 
 
-def ci_spent(today, since):
-    """What the ci-bot key spent on the seeded days from ``since`` on (nano-dollars)."""
-    return sum(cost for age, _m, key, cost in SEED
-               if key == "ci" and today - timedelta(days=age) >= since)
+def spent(key, today, since=None):
+    """What ``key`` (``web`` or ``ci``) spent on the seeded days from ``since`` on (all of them
+    without ``since``), in nano-dollars."""
+    return sum(cost for age, _m, k, cost in SEED
+               if k == key and (since is None or today - timedelta(days=age) >= since))
 
 
 def page_usd(nanos):
@@ -130,7 +156,10 @@ def bars(driver):
 def test_the_page_draws_the_seeded_spend_and_keeps_the_key_in_the_session(seeded, browser,
                                                                            tmp_path):
     from selenium.webdriver.common.by import By
-    gw, org, ci_key = seeded
+    gw, org, ci_key, url = seeded
+    reconciled = subprocess.run([KILN, "credits", "reconcile"], capture_output=True, text=True,
+                                timeout=120, env={**os.environ, "KILN_DATABASE_URL": url})
+    assert reconciled.returncode == 0, reconciled.stdout + reconciled.stderr  # seeded as settled
     browser.get(gw.base_url + "/activity")
     assert browser.title == "Kiln activity"
     paste_key(browser, "kiln-not-a-key")
@@ -169,12 +198,13 @@ def test_the_page_draws_the_seeded_spend_and_keeps_the_key_in_the_session(seeded
     rows = {tr.get_attribute("data-prefix"): [td.text for td in tr.find_elements(By.TAG_NAME,
                                                                                "td")]
             for tr in browser.find_elements(By.CSS_SELECTOR, "#key-rows tr")}
-    period = ci_spent(today, today.replace(day=1))
+    period = spent("ci", today, today.replace(day=1))
     assert rows[ci_key[:12]][:8] == ["ci-bot", ci_key[:12], "0.01", "monthly", page_usd(period),
                                      page_usd(10**7 - period), "30",
-                                     page_usd(ci_spent(today, today - timedelta(days=29)))]
-    assert rows[org.key[:12]][:7] == ["test", org.key[:12], "none", "never", "0.00", "none",
-                                      "none"]
+                                     page_usd(spent("ci", today, today - timedelta(days=29)))]
+    web = spent("web", today)  # it never resets: all its spend is this period's
+    assert rows[org.key[:12]][:8] == ["test", org.key[:12], "none", "never", page_usd(web),
+                                      "none", "none", page_usd(web)]
 
     logs = [e for e in browser.get_log("browser") if "Content Security Policy" in e["message"]]
     assert logs == []

@@ -135,3 +135,37 @@ def test_an_expired_key_is_looked_up_once_however_many_requests_use_it(tmp_path,
     assert credits() == 401  # the request that looks it up again learns it is gone
     assert credits() == 401 and len(lookups) == 3  # remembered as unknown, not asked again
     engine.dispose()
+
+
+def test_a_worker_tries_to_write_last_used_once_per_key_per_interval(tmp_path, monkeypatch,
+                                                                     caplog):
+    """Twenty calls with one key: one write of ``last_used_at`` is started (off the request, in
+    a greenlet), and the next only after the interval; a write that fails is logged and the
+    request is still answered."""
+    import gevent
+
+    import gateway.auth
+    app, engine = factories.sqlite_app(tmp_path, CATALOG.format(url=factories.UNREACHABLE_BACKEND),
+                                       key_last_used_interval_s=60)
+    org = factories.org(engine)
+    real, touches, broken = gateway.auth.touch_last_used, [], sa.create_engine(
+        f"sqlite:///{tmp_path}/missing/kiln.db")
+
+    def touch(db, key_id, interval_s):
+        touches.append(key_id)
+        return real(broken if len(touches) > 1 else db, key_id, interval_s)
+    monkeypatch.setattr(gateway.auth, "touch_last_used", touch)
+    client = app.test_client()
+    paths = ["/v1/credits", "/v1/key", "/v1/generation?id=gen-none"] * 7
+    assert {client.get(p, headers=org.headers).status_code for p in paths[:20]} == {200, 404}
+    gevent.sleep(0)  # the spawned write runs
+    with engine.connect() as conn:
+        key_id, used = conn.execute(sa.text("SELECT id, last_used_at FROM api_keys WHERE "
+                                            "org_id = :o"), {"o": org.id}).one()
+    assert touches == [key_id] and used is not None
+    app.extensions["kiln.key_used"][key_id] -= 60  # the interval has passed
+    assert client.get("/v1/key", headers=org.headers).status_code == 200
+    gevent.sleep(0)
+    assert touches == [key_id, key_id]
+    assert f"writing last_used_at of key {key_id} failed" in caplog.text
+    engine.dispose()

@@ -623,3 +623,17 @@ def test_env_example_documents_every_setting():
     assert assigned["KILN_DATABASE_URL"].startswith("postgresql+psycopg://")
     assert int(assigned["KILN_MAX_BODY_BYTES"]) == 16 * MiB
     assert assigned["KILN_BIND"] == nginx_proc.SHIPPED_UPSTREAM
+
+
+@pytest.mark.unit
+def test_the_readmes_layout_names_every_module_of_the_package():
+    """README "Layout" names each module of ``gateway/`` (``ledger/x`` for the ledger's), and
+    no module that does not exist."""
+    readme = (ROOT / "README.md").read_text()
+    layout = readme.split("## Layout", 1)[1].split("\n## ", 1)[0]
+    package = ROOT / "gateway"
+    modules = {p.stem for p in package.glob("*.py")}
+    modules |= {f"ledger/{p.stem}" for p in (package / "ledger").glob("*.py")} - {"ledger/__init__"}
+    named = set(re.findall(r"`((?:ledger/)?[a-z_]+)`", layout))
+    assert modules - named == set()
+    assert {n for n in named if n.startswith("ledger/")} <= modules

@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import uuid
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -19,7 +20,7 @@ import requests
 import sqlalchemy as sa
 
 from factories import concurrently
-from fake_upstream import Hang, Status
+from fake_upstream import Gate, Hang, Status, chat_chunk, make_usage, sse
 from gateway.billing import Usage, hold_nanos
 from gateway.catalog import load_catalog
 from gateway.ledger import AdmissionRequest, KeyLimitExceeded, Ledger, Settlement
@@ -196,6 +197,71 @@ def test_a_monthly_limit_spent_last_month_admits_again_this_month(ledger, engine
     assert f"it resets at {next_month(now).isoformat()}" in refused.value.message
     assert ": 0 USD left, but the request needs a hold of 0.000000001 USD" in \
         refused.value.message
+
+
+def gated_stream(opened):
+    """A streamed answer (one content chunk, the finish, usage 10/5) held back until
+    ``opened`` is set."""
+    steps = sse([chat_chunk("Hello", role="assistant"), chat_chunk(finish_reason="stop"),
+                 chat_chunk(choices=False, usage=make_usage(10, 5))])
+    return [steps[0], Gate(opened), *steps[1:]]
+
+
+def test_a_key_at_its_monthly_cap_last_month_admits_what_the_new_month_allows(
+        gateway, fake, engine, catalog_path, pg_url):
+    """Limit = 3.5 holds, reset monthly. A request admitted before the UTC month boundary is
+    still running after it (its usage event and the key's period are backdated to the last
+    microsecond of the previous month, where the key spent all its limit but that hold). Then
+    8 requests at once: the new month starts from 0 spent, but the running request's hold
+    still counts (README, "Key limits": a running request's hold counts against the key's
+    remaining), so exactly 2 are admitted and 6 are 402 ``key_limit_exceeded`` naming next
+    month's start. Once all settle, the key's period is this month and its spend is the cost
+    of the 3 requests: the one that ran across the boundary counts in the month it settled in."""
+    hold = body_hold(catalog_path)
+    org = make_org(engine, f"boundary-{uuid.uuid4().hex[:8]}")
+    limit_nanos = 3 * hold + hold // 2
+    set_key(engine, org, limit_usd=f"{limit_nanos / 10**9:.9f}", limit_reset="monthly")
+    opened = threading.Event()
+    for _ in range(9):
+        fake.enqueue(gated_stream(opened))
+    first = post(gateway.base_url, org)
+    answers = []
+    try:
+        assert first.status_code == 200
+        wait_until(lambda: fake.active == 1)
+        now = datetime.now(timezone.utc)
+        this_month = now.replace(day=1, hour=0, minute=0, second=0, microsecond=0)
+        last_instant = this_month - timedelta(microseconds=1)
+        set_key(engine, org, period_start=(last_instant).replace(day=1, hour=0, minute=0,
+                                                                 second=0, microsecond=0),
+                period_spent_nanos=limit_nanos - hold)
+        with engine.begin() as conn:
+            conn.execute(sa.text("UPDATE usage_events SET started_at = :t WHERE org_id = :o"),
+                         {"t": last_instant, "o": org.id})
+        answers = concurrently(8, lambda i: post(gateway.base_url, org))
+        assert sorted(r.status_code for r in answers) == [200] * 2 + [402] * 6
+        wait_until(lambda: fake.active == 3)
+        for refused in (r.json()["error"] for r in answers if r.status_code == 402):
+            assert refused["code"] == "key_limit_exceeded"
+            assert f"it resets at {next_month(now).isoformat()}" in refused["message"]
+        row = key_row(engine, org)
+        assert (row["period_start"], row["period_spent_nanos"], row["held_nanos"]) == \
+            (this_month, 0, 3 * hold)
+    finally:
+        opened.set()
+        for r in [first, *answers]:
+            assert r.content  # read to its end: each admitted request completes
+            r.close()
+    quiet(engine, org)
+    with engine.connect() as conn:
+        costs = conn.execute(sa.text("SELECT sum(cost_nanos), count(*) FROM usage_events "
+                                     "WHERE org_id = :o AND status = 'completed'"),
+                             {"o": org.id}).one()
+    assert costs[1] == 3 and costs[0] > 0
+    row = key_row(engine, org)
+    assert (row["period_start"], row["period_spent_nanos"], row["held_nanos"]) == \
+        (this_month, costs[0], 0)
+    assert row["prefix"] not in reconcile(pg_url).stderr
 
 
 # -- the request rate, across two gateways -------------------------------------------------------

@@ -3,6 +3,7 @@ and ``GET /v1/key`` / ``GET /v1/keys`` through the real gateway on Postgres."""
 import os
 import subprocess
 import sys
+import time
 import uuid
 from datetime import datetime, timedelta, timezone
 from decimal import Decimal
@@ -191,26 +192,91 @@ def test_the_calling_key_shows_its_limit_usage_and_remaining(gateway, fake, engi
     assert "key_hash" not in key and org.key not in str(key)
 
 
-@pytest.mark.postgres
-def test_last_used_is_written_at_most_once_a_minute(gateway, fake, engine):
-    org = make_org(engine, f"used-{uuid.uuid4().hex[:8]}")
+@pytest.fixture
+def last_used_writes(engine):
+    """Count the writes of ``api_keys.last_used_at`` (rows whose value changed), by key id,
+    with a trigger for the test's duration: ``writes(key_id)``."""
+    ddl = ["CREATE TABLE test_last_used_writes (key_id bigint, at timestamptz)",
+           "CREATE FUNCTION test_log_last_used() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
+           "INSERT INTO test_last_used_writes VALUES (NEW.id, NEW.last_used_at); "
+           "RETURN NEW; END $$",
+           "CREATE TRIGGER test_last_used AFTER UPDATE ON api_keys FOR EACH ROW WHEN "
+           "(OLD.last_used_at IS DISTINCT FROM NEW.last_used_at) "
+           "EXECUTE FUNCTION test_log_last_used()"]
+    with engine.begin() as conn:
+        for statement in ddl:
+            conn.execute(sa.text(statement))
 
-    def use_and_read():
-        reply = requests.post(gateway.base_url + "/v1/chat/completions", json=BODY,
-                              headers=org.headers, timeout=30)
-        usage_event(engine, reply.headers["X-Neocloud-Generation-Id"])
+    def writes(key_id):
         with engine.connect() as conn:
-            return conn.execute(sa.text("SELECT last_used_at, clock_timestamp() FROM api_keys "
-                                        "WHERE org_id = :o"), {"o": org.id}).one()
-    first, _ = use_and_read()
-    assert first is not None
-    recent = first - timedelta(seconds=30)  # written 30 s ago: the next use leaves it
-    set_limits(engine, org, last_used_at=recent)
-    assert use_and_read()[0] == recent
-    stale = first - timedelta(seconds=61)  # over a minute ago: the next use writes it
-    set_limits(engine, org, last_used_at=stale)
-    used, now = use_and_read()
-    assert stale + timedelta(seconds=61) <= used <= now
+            return conn.execute(sa.text("SELECT count(*) FROM test_last_used_writes WHERE "
+                                        "key_id = :k"), {"k": key_id}).scalar_one()
+    yield writes
+    with engine.begin() as conn:
+        conn.execute(sa.text("DROP TRIGGER test_last_used ON api_keys"))
+        conn.execute(sa.text("DROP FUNCTION test_log_last_used()"))
+        conn.execute(sa.text("DROP TABLE test_last_used_writes"))
+
+
+def last_used(engine, org):
+    with engine.connect() as conn:
+        return conn.execute(sa.text("SELECT id, last_used_at FROM api_keys WHERE org_id = :o"),
+                            {"o": org.id}).one()
+
+
+@pytest.mark.postgres
+def test_last_used_is_written_once_for_20_requests_of_every_kind_within_a_minute(
+        gateway, fake, engine, last_used_writes):
+    """Twenty requests within a minute on the two-worker gateway: chat completions, refused
+    ones (402: the org has no credits) and ``GET`` calls. Every one passes the key check, the
+    first writes ``last_used_at``; no other request writes it (each worker tries at most once
+    a minute, and a try finds it already within the minute)."""
+    org = make_org(engine, f"used-{uuid.uuid4().hex[:8]}")
+    broke = make_org(engine, f"broke-{uuid.uuid4().hex[:8]}", usd="0")
+    key_id, before = last_used(engine, org)
+    assert before is None
+    started = datetime.now(timezone.utc)
+    for i in range(20):
+        if i % 2:
+            assert get(gateway, "/v1/credits" if i % 4 == 1 else "/v1/key", org).ok
+        else:
+            reply = requests.post(gateway.base_url + "/v1/chat/completions", json=BODY,
+                                  headers=org.headers, timeout=30)
+            assert reply.status_code == 200
+            usage_event(engine, reply.headers["X-Neocloud-Generation-Id"])
+        refused = requests.post(gateway.base_url + "/v1/chat/completions", json=BODY,
+                                headers=broke.headers, timeout=30)
+        assert refused.json()["error"]["code"] == "insufficient_credits"
+    wait_until(lambda: last_used(engine, broke)[1] is not None)
+    assert datetime.now(timezone.utc) - started < timedelta(minutes=1)
+    assert started <= last_used(engine, org)[1] <= datetime.now(timezone.utc)
+    assert last_used_writes(key_id) == 1
+    assert last_used_writes(last_used(engine, broke)[0]) == 1
+
+
+@pytest.mark.postgres
+def test_last_used_moves_once_the_interval_has_passed(start_gateway, fake, engine,
+                                                      last_used_writes):
+    """With ``KILN_KEY_LAST_USED_INTERVAL_S=3``: a use within the interval leaves
+    ``last_used_at``; a use after it writes it again. A value written by another worker or
+    host within the interval is left alone (the ``UPDATE`` is conditional)."""
+    gw = start_gateway(workers=1, key_last_used_interval_s=3)
+    org = make_org(engine, f"moves-{uuid.uuid4().hex[:8]}")
+    assert get(gw, "/v1/key", org).ok
+    key_id, first = wait_until(lambda: (row := last_used(engine, org))[1] and row)
+    assert get(gw, "/v1/key", org).ok
+    time.sleep(3.2)
+    assert get(gw, "/v1/key", org).ok
+    key_id, second = wait_until(lambda: (row := last_used(engine, org))[1] > first and row)
+    assert second >= first + timedelta(seconds=3)
+    assert last_used_writes(key_id) == 2
+    future = second + timedelta(seconds=30)  # "another worker" wrote it just now
+    set_limits(engine, org, last_used_at=future)
+    time.sleep(3.2)
+    shown = get(gw, "/v1/key", org).json()["last_used_at"]
+    assert datetime.fromisoformat(shown) == future
+    time.sleep(0.5)
+    assert last_used(engine, org)[1] == future
 
 
 @pytest.mark.postgres

@@ -125,3 +125,33 @@ def test_plain_sql_grants_move_the_balance_and_never_below_the_holds(empty_db):
                                     "FROM org_credits WHERE org_id = :o"), {"o": org_id}).one()
     assert tuple(Decimal(str(v)) for v in view) == (Decimal("4.998511501"), 2,
                                                     Decimal("2.998511501"))
+
+
+def test_0006_takes_client_cancellations_out_of_the_rollups_errors_and_back(empty_db):
+    """A day's row that counted a cancelled and a failed generation as 2 errors counts 1 after
+    0006 (docs/ACTIVITY.md, "What a row counts"), and 2 again after its downgrade."""
+    url, engine = empty_db
+    kiln(url, "db", "upgrade", "0005")
+    with engine.begin() as conn:
+        conn.execute(sa.text("INSERT INTO orgs (name) VALUES ('acme')"))
+        org = conn.execute(sa.text("SELECT id FROM orgs")).scalar_one()
+        conn.execute(sa.text("INSERT INTO api_keys (org_id, prefix, key_hash) VALUES "
+                             "(:o, 'kiln-abc', 'h')"), {"o": org})
+        key = conn.execute(sa.text("SELECT id FROM api_keys")).scalar_one()
+        for gid, status in (("gen-1", "completed"), ("gen-2", "client_cancelled"),
+                            ("gen-3", "upstream_error")):
+            conn.execute(sa.text(
+                "INSERT INTO usage_events (id, org_id, api_key_id, model, stream, status, "
+                "started_at) VALUES (:g, :o, :k, 'm', false, :s, '2026-11-30 23:59:59+00')"),
+                {"g": gid, "o": org, "k": key, "s": status})
+        conn.execute(sa.text("INSERT INTO usage_daily (org_id, day, model, api_key_id, "
+                             "requests, errors) VALUES (:o, '2026-11-30', 'm', :k, 3, 2)"),
+                     {"o": org, "k": key})
+
+    def errors():
+        with engine.connect() as conn:
+            return conn.execute(sa.text("SELECT errors FROM usage_daily")).scalar_one()
+    kiln(url, "db", "upgrade")
+    assert errors() == 1
+    kiln(url, "db", "downgrade", "0005")
+    assert errors() == 2

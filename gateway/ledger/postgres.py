@@ -15,8 +15,9 @@ from ..errors import ServiceUnavailable
 from ..outcomes import Status
 
 # The usage-event statuses the functions below name, spelled by the one enum of them.
-PENDING, ABANDONED, COMPLETED = (Status.PENDING.value, Status.ABANDONED.value,
-                                 Status.COMPLETED.value)
+PENDING, ABANDONED, COMPLETED, CANCELLED = (
+    Status.PENDING.value, Status.ABANDONED.value, Status.COMPLETED.value,
+    Status.CLIENT_CANCELLED.value)
 
 SETTLEMENT_TYPE = """CREATE TYPE kiln_settlement AS (
   gid text, org integer, key integer, model text, stream boolean, status text,
@@ -215,10 +216,7 @@ BEGIN
                     WHEN k.period_start IS DISTINCT FROM kiln_period_start(k.limit_reset, v_now)
                     THEN t.debit ELSE k.period_spent_nanos + t.debit END,
                   period_start = kiln_period_start(k.limit_reset, v_now),
-                  held_nanos = k.held_nanos - t.key_hold,
-                  last_used_at = CASE WHEN k.last_used_at IS NULL
-                                        OR k.last_used_at < v_now - interval '1 minute'
-                                      THEN v_now ELSE k.last_used_at END
+                  held_nanos = k.held_nanos - t.key_hold
              FROM (SELECT d.api_key_id, SUM(d.debit - d.was_cost) AS debit,
                           SUM(d.key_hold) AS key_hold
                      FROM d GROUP BY d.api_key_id) t
@@ -228,7 +226,8 @@ BEGIN
                                           cost_nanos)
             SELECT d.org_id, CAST(d.began AT TIME ZONE 'UTC' AS date), d.model, d.api_key_id,
                    COUNT(*) FILTER (WHERE NOT d.fix),
-                   SUM(CASE WHEN d.status <> '{COMPLETED}' THEN 1 ELSE 0 END
+                   SUM(CASE WHEN d.status NOT IN ('{COMPLETED}', '{CANCELLED}')
+                            THEN 1 ELSE 0 END
                        - CASE WHEN d.fix THEN 1 ELSE 0 END),
                    SUM(d.prompt - d.was_prompt), SUM(d.cached - d.was_cached),
                    SUM(d.completion - d.was_completion), SUM(d.debit - d.was_cost)

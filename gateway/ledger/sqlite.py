@@ -12,6 +12,9 @@ from ..models import api_keys, credit_balances, in_flight, usage_daily, usage_ev
 from ..outcomes import Status
 
 NANOS = 10 ** 9
+# Settled statuses that are not errors in the activity rollup (docs/ACTIVITY.md, "What a row
+# counts"): the generation completed, or its client chose to stop it.
+NOT_ERRORS = (Status.COMPLETED.value, Status.CLIENT_CANCELLED.value)
 
 
 def period_start(reset, at):
@@ -171,19 +174,15 @@ class SqliteStore:
         k = conn.execute(sa.select(api_keys).where(api_keys.c.id == key_id)).first()
         period = period_start(k.limit_reset, now)
         spent = debit if _aware(k.period_start) != period else k.period_spent_nanos + debit
-        last_used = _aware(k.last_used_at)
         conn.execute(api_keys.update().where(api_keys.c.id == key_id).values(
-            period_start=period, period_spent_nanos=spent,
-            held_nanos=k.held_nanos - key_hold,
-            last_used_at=now if last_used is None or last_used < now - timedelta(minutes=1)
-            else last_used))
+            period_start=period, period_spent_nanos=spent, held_nanos=k.held_nanos - key_hold))
 
     def _daily(self, conn, s, began, debit, was, fix):
         d = usage_daily.c
         key = {"org_id": s.org_id, "day": began.astimezone(timezone.utc).date(),
                "model": s.model, "api_key_id": s.key_id}
         u = s.usage
-        add = {"requests": int(not fix), "errors": int(s.status != Status.COMPLETED) - int(fix),
+        add = {"requests": int(not fix), "errors": int(s.status not in NOT_ERRORS) - int(fix),
                "prompt_tokens": u.prompt - was["prompt_tokens"],
                "cached_tokens": u.cached - was["cached_tokens"],
                "completion_tokens": u.completion - was["completion_tokens"],
