@@ -452,3 +452,39 @@ def test_an_org_cannot_read_another_orgs_generation_or_credits(gateway, fake, en
     credits = requests.get(gateway.base_url + "/v1/credits", headers=a.headers,
                            params={"org": b.id, "org_id": b.id}).json()
     assert credits["balance_usd"] == "1" and credits["in_flight"] == 0
+
+
+def test_a_relay_whose_lease_was_swept_stops_relaying(start_gateway, fake, engine, pg_url):
+    """The sweeper closes a live stream's generation (its lease expired: a database outage
+    longer than the TTL, or a clock jump): the worker learns it at its next renewal and stops
+    relaying at once, with an error event and no [DONE], and closes the backend request; its
+    real settlement then corrects the sweeper's guess (docs/METERING.md)."""
+    from gateway.config import Config
+    from gateway.db import create_engine
+    from gateway.ledger import Ledger
+    gw = start_gateway(workers=1, lease_ttl_s=3, keepalive_s=0.5)
+    org = make_org(engine, f"swept-{uuid.uuid4().hex[:8]}")
+    fake.enqueue([SSE_HEAD, Send(sse_event(chat_chunk("x", role="assistant"))), Hang()])
+    r = post(gw.base_url, org, stream_body(), stream=True)
+    lines = r.iter_lines()
+    assert next(line for line in lines if line.startswith(b"data: "))
+    gid = r.headers["X-Neocloud-Generation-Id"]
+    config = Config.from_mapping({"database_url": pg_url})
+    ledger = Ledger(create_engine(config, ledger=True), config, {})
+    try:
+        def expire_and_sweep():  # a renewal may come between the two: then again
+            with engine.begin() as conn:
+                conn.execute(sa.text("UPDATE in_flight SET expires_at = now() - interval "
+                                     "'1 second' WHERE generation_id = :g"), {"g": gid})
+            return ledger.sweep(org_id=org.id) == 1
+        wait_until(expire_and_sweep, timeout_s=10)
+    finally:
+        ledger.store.engine.dispose()
+    rest = [line for line in lines if line.startswith(b"data: ")]  # ends within a renewal
+    assert b"[DONE]" not in b"".join(rest)
+    assert json.loads(rest[-1][6:])["error"]["code"] == "lease_lost"
+    wait_until(lambda: fake.requests[-1].closed_at is not None)
+    quiet(engine, org.id)
+    event = usage_event(engine, gid)
+    assert event["completion_tokens"] == 1 and event["cost_nanos"] > 0  # the real figures
+    assert_ledger(engine, org.id, 10 * 10**9)

@@ -49,6 +49,10 @@ def test_a_backend_that_ignores_max_tokens_is_cut_at_the_cap_and_billed_the_cap(
     assert event["completion_tokens"] == 5 and event["anomaly"] is True
     assert event["status"] == "completed"
     assert anomalies(gateway) == before + 1
+    gid = r.headers["X-Neocloud-Generation-Id"]
+    logged = [json.loads(line[line.index("{"):]) for line in gateway.log().splitlines()
+              if "usage_anomaly" in line and gid in line]
+    assert [(e["generation_id"], e["completion_cap"]) for e in logged] == [(gid, 5)]
     # the backend was closed at the cut, long before its 50 chunks were sent
     record = fake.requests[-1]
     assert record.closed_at is not None and not record.completed
@@ -156,3 +160,63 @@ def test_running_usage_is_not_shown_and_the_final_one_is_billed(gateway, fake, o
     assert (event["prompt_tokens"], event["completion_tokens"], event["estimated"]) == \
         (7, 2, False)
     assert balance_nanos(engine, org.id)[0] == 10 * 10**9 - 1_300  # 7 × 0.1 + 2 × 0.3 µ$
+
+
+@pytest.mark.parametrize("cached", [None, "3", -1, 2.5, "missing"])
+def test_a_malformed_cached_count_is_billed_as_not_cached(gateway, fake, org, engine, cached):
+    # Cached tokens are cheaper: a count Kiln cannot trust is 0, which errs upward.
+    usage = make_usage(prompt=100, completion=10)
+    usage["prompt_tokens_details"] = {} if cached == "missing" else {"cached_tokens": cached}
+    fake.enqueue(json_reply(chat_completion("hello", usage=usage)))
+    r = post(gateway, org)
+    reply = r.json()["usage"]
+    assert (reply["prompt_tokens"], reply["completion_tokens"]) == (100, 10)
+    event = usage_event(engine, r.headers["X-Neocloud-Generation-Id"])
+    assert (event["cached_tokens"], event["cost_nanos"]) == (0, 100 * 100 + 10 * 300)
+
+
+@pytest.mark.parametrize("completion", [None, "7", -2, 1.5])
+def test_a_malformed_usage_chunk_in_a_stream_is_replaced_from_above(gateway, fake, org, engine,
+                                                                    completion):
+    usage = make_usage(prompt=9, completion=0)
+    usage["completion_tokens"] = completion
+    fake.enqueue(sse([chat_chunk("a" * 40), chat_chunk("b" * 40, finish_reason="stop"),
+                      chat_chunk(choices=False, usage=usage)]))
+    r = post(gateway, org, stream=True, stream_options={"include_usage": True})
+    told = chunks_of(r.text)[-1]["usage"]
+    assert told["completion_tokens"] == 80 and told["total_tokens"] == 89  # bytes, within cap
+    event = usage_event(engine, r.headers["X-Neocloud-Generation-Id"])
+    assert (event["completion_tokens"], event["estimated"]) == (80, True)
+    with_events = [row for row in _events_of(engine, org.id)
+                   if row == r.headers["X-Neocloud-Generation-Id"]]
+    assert len(with_events) == 1  # one usage event
+
+
+def test_the_prompt_estimate_counts_tool_definitions_and_the_tool_call_history(gateway, fake,
+                                                                               org, engine):
+    # No usage at all: the prompt is Kiln's count of everything sent, in bytes.
+    tools = [{"type": "function", "function": {"name": "lookup", "description": "Look up",
+                                               "parameters": {
+        "type": "object", "properties": {"q": {"type": "string"}}}}}]
+    history = [{"role": "user", "content": "Find it"},
+               {"role": "assistant", "content": None, "tool_calls": [{
+                   "id": "c1", "type": "function",
+                   "function": {"name": "lookup", "arguments": "{\"q\": \"" + "k" * 500 + "\"}"}}]},
+               {"role": "tool", "tool_call_id": "c1", "content": "found"}]
+    fake.enqueue(json_reply(chat_completion("done", usage={})))
+    r = requests.post(gateway.base_url + "/v1/chat/completions", timeout=30, headers=org.headers,
+                      json={"model": "fake-model", "messages": history, "tools": tools})
+    assert r.status_code == 200, r.text
+    prompt = usage_event(engine, r.headers["X-Neocloud-Generation-Id"])["prompt_tokens"]
+    sent = fake.requests[-1].json
+    calls = json.dumps(sent["messages"][1]["tool_calls"][0]["function"], ensure_ascii=False)
+    text = "\n".join(["Find it", calls, "found", json.dumps(sent["tools"], ensure_ascii=False)])
+    # its bytes, plus 8 template tokens per message and 32 per request
+    assert prompt == len(text.encode()) + 3 * 8 + 32 and prompt > 500
+
+
+def _events_of(engine, org_id):
+    import sqlalchemy as sa
+    with engine.connect() as conn:
+        return conn.execute(sa.text("SELECT id FROM usage_events WHERE org_id = :o"),
+                            {"o": org_id}).scalars().all()
