@@ -33,14 +33,7 @@ class Head:
 def complete(gen):
     """Read the backend's whole reply (also when the client left: the backend generates it
     anyway, and it is billed), then write it with Kiln's usage and cost."""
-    resp = gen.send_and_wait()
-    try:
-        raw = upstream.read_whole(resp, gen.services.config.max_reply_bytes)
-    except BaseException:
-        upstream.shutdown(resp)
-        raise
-    upstream.close(resp)
-    completion = _parse_completion(raw)
+    completion = _parse_completion(gen.send_and_read())
     gen.accepted = True  # a whole answer: billed, also if its client has left meanwhile
     gen.meter.observe_completion(completion)
     gen.mark_first_token()

@@ -163,15 +163,28 @@ class Generation:
             self.pump.stop(reason=ClientGone())  # the relay wakes and ends as cancelled
         self.abort()  # the model server stops generating
 
-    def send_and_wait(self):
-        """Send the request from this greenlet and return the 2xx response (non-stream)."""
+    def send_and_read(self):
+        """Send the request from this greenlet and return the 2xx reply's whole body
+        (non-stream). A reply that breaks off (a reset, the idle timeout) is retried on another
+        backend like a failure before its status line: nothing of it reached the client, and
+        it is not billed (docs/ROUTING.md)."""
         sent = time.monotonic()
         try:
-            resp = self.open_response()
+            return self.route.open(self._try_whole,
+                                   (self.timeouts.connect_s, self.timeouts.first_byte_s))
         finally:
             self.observe_answer(sent)
+
+    def _try_whole(self, backend, timeouts_s):
+        resp = self._try(backend, timeouts_s)
         upstream.set_read_timeout(resp, self.timeouts.idle_s)
-        return resp
+        try:
+            raw = upstream.read_whole(resp, self.services.config.max_reply_bytes)
+        except BaseException:
+            upstream.shutdown(resp)
+            raise
+        upstream.close(resp)
+        return raw
 
     def answer(self, call):
         """Return the call's 2xx response (raise its error), counting the backend's latency;
@@ -184,7 +197,8 @@ class Generation:
             self.observe_answer(call.sent_at)
 
     def observe_answer(self, sent):
-        """Count the time from sending to the backend's answer (its status line, or failure)."""
+        """Count the time from sending to the backend's answer (a stream's status line, a
+        whole non-stream reply, or the failure)."""
         m = self.services.metrics
         m.child(m.upstream_latency, self.chat.entry.id).observe(time.monotonic() - sent)
 

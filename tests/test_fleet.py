@@ -15,8 +15,8 @@ import pytest
 import requests
 import sqlalchemy as sa
 
-from fake_upstream import FakeUpstream, Hang, Send, Status, chat_chunk, default_script, \
-    error_reply, sse, sse_event
+from fake_upstream import FakeUpstream, Hang, Reset, Send, Status, chat_chunk, \
+    default_script, error_reply, sse, sse_event
 from gateway.billing import Usage, cost_usd, to_nanos
 from gateway.catalog import Pricing
 from gateway.errors import UpstreamTimeout
@@ -158,6 +158,31 @@ def test_a_faulty_fleet_loses_no_request_and_bills_each_once(start_gateway, trio
     assert metric(gw.base_url, "kiln_backend_errors_total", backend=hanging.base_url,
                   kind="upstream_first_byte_timeout") >= 1
     assert metric(gw.base_url, "kiln_backend_state", backend=refusing.base_url) == 2
+
+
+def test_a_non_stream_reply_that_breaks_off_is_retried_elsewhere(start_gateway, trio, tmp_path,
+                                                                  engine):
+    """A backend answers 200 and resets the connection mid-body: nothing reached the client,
+    so the request goes to another backend like a failure before the status line, and is
+    billed once, for the reply it got."""
+    broken, healthy = trio[:2]
+    broken.default = lambda record: default_script(record) if record.method == "GET" else [
+        Status(200, {"Content-Type": "application/json", "Content-Length": "4000"}),
+        Send(b'{"id": "chatcmpl-cut", "choices": [{"index": 0, "message": {"content": "'),
+        Reset()]
+    broken.start(), healthy.start()
+    catalog = write_catalog(tmp_path / "m.toml", [broken.base_url, healthy.base_url],
+                            routing="weighted")
+    gw = start_gateway(workers=1, models=catalog, probe_interval_s=0, upstream_retries=2)
+    org = make_org(engine, "fleet-cut-body")
+    gids = [sdk_call(gw.base_url, org.key, stream=False) for _ in range(12)]
+    events = [usage_event(engine, gid) for gid in gids]
+    assert {(e["status"], e["cost_nanos"], e["backend"]) for e in events} == \
+        {("completed", COST, healthy.base_url)}
+    retried = [json.loads(e["attempts"]) for e in events if len(json.loads(e["attempts"])) > 1]
+    assert retried and all(a == [broken.base_url, healthy.base_url] for a in retried)
+    assert balance_nanos(engine, org.id) == (GRANT - COST * len(gids), 0, 0)
+    assert any(r.method == "POST" for r in broken.requests)
 
 
 def test_a_first_byte_timeout_is_a_plain_502_that_names_it(start_gateway, fake, tmp_path,
