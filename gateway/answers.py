@@ -16,7 +16,7 @@ from .relay import Pump, keepalives_until_answered, relay_stream
 from .sse import DONE, StreamRules, apply_to_completion, dumps, frame
 
 STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-EVENT_STREAM = "text/event-stream"
+EVENT_STREAM = upstream.EVENT_STREAM
 
 
 @dataclass(frozen=True)
@@ -69,19 +69,21 @@ def stream(gen):
     """Wait for the backend's status line up to one keepalive interval, then start the stream.
 
     An error known before the headers leave is a JSON error (or the plain-text 502 of README "API")
-    with its own status; after that, a failure can only be told as an SSE error event.
+    with its own status; after that, a failure can only be told as an SSE error event. A
+    backend's answer that is not an event stream is a failed try, retried on another backend
+    (:meth:`gateway.completions.Generation.open_response`).
     """
     config = gen.services.config
     call = gen.send()
     answered = call.wait(config.keepalive_s, gen.watch.gone)
     if answered:
-        resp = _event_stream(gen.answer(call))
+        resp = gen.answer(call)
     gen.head_sent = True
     yield Head(200, EVENT_STREAM, STREAM_HEADERS)
     yield b""  # the headers leave now (the server writes them with the first body item)
     if not answered:
         yield from keepalives_until_answered(call, gen.watch.gone, config.keepalive_s)
-        resp = _event_stream(gen.answer(call))
+        resp = gen.answer(call)
     gen.accepted = True
     rules = StreamRules(gen.meter, gen.chat.stop, gen.chat.single_tool_call)
     gen.pump = Pump(resp, gen.timeouts.idle_s)
@@ -92,17 +94,6 @@ def stream(gen):
     gen.read_whole = gen.pump.complete and not rules.cut
     gen.close()  # a cut generation: the backend stops now
     return lambda charged_usd: _end_of_stream(gen, rules, charged_usd)
-
-
-def _event_stream(resp):
-    """Return ``resp`` if it is an event stream; a backend that answered a stream request with
-    anything else (a JSON error with status 200) failed: 502, nothing billed."""
-    kind = resp.headers.get("Content-Type", "").split(";")[0].strip().lower()
-    if kind != EVENT_STREAM:
-        upstream.shutdown(resp)
-        raise UpstreamError(f"The model backend answered a stream request with "
-                            f"{kind or 'no content type'}, not an event stream.")
-    return resp
 
 
 def _apply(gen, rules, payloads):

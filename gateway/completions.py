@@ -149,7 +149,8 @@ class Generation:
 
     def _try(self, backend, timeouts_s):
         body = upstream.encode_body(upstream_body(self.chat, backend))
-        return upstream.open_chat(self.services.session, backend, body, timeouts_s)
+        resp = upstream.open_chat(self.services.session, backend, body, timeouts_s)
+        return upstream.event_stream(resp) if self.chat.stream else resp
 
     def send(self):
         """Send the request from its own greenlet; return the call."""

@@ -106,6 +106,23 @@ def set_read_timeout(resp, timeout_s):
         pass  # no socket left: the next read fails and says so
 
 
+EVENT_STREAM = "text/event-stream"
+
+
+def event_stream(resp):
+    """Return ``resp`` if it is an event stream; a backend that answered a stream request with
+    anything else (a JSON error with status 200) failed: 502, nothing billed.
+
+    :raises UpstreamError: not ``text/event-stream``.
+    """
+    kind = resp.headers.get("Content-Type", "").split(";")[0].strip().lower()
+    if kind != EVENT_STREAM:
+        shutdown(resp)
+        raise UpstreamError(f"The model backend answered a stream request with "
+                            f"{kind or 'no content type'}, not an event stream.")
+    return resp
+
+
 def read_whole(resp, max_bytes):
     """Read a whole reply body, decoded (gzip, deflate), of at most ``max_bytes``.
 

@@ -17,7 +17,7 @@ import openai
 import pytest
 import requests
 
-from fake_upstream import (Send, Status, chat_chunk, chat_completion, make_usage,
+from fake_upstream import (Send, Sleep, Status, chat_chunk, chat_completion, make_usage,
                            sse, sse_event)
 from gateway.sse import EventSplitter
 from gateway_proc import balance_nanos, wait_until
@@ -139,6 +139,26 @@ def test_a_stream_answered_with_no_event_stream_is_502_and_unbilled(gateway, fak
                                             stream=True))
     assert err.value.status_code == 502
     assert [e["status"] for e in org_events(engine, org.id)] == ["upstream_error"] * 2
+    assert balance_nanos(engine, org.id) == (GRANT, 0, 0)
+
+
+def test_a_late_answer_that_is_no_event_stream_ends_the_begun_stream_with_an_error(
+        start_gateway, fake, org, engine):
+    """A backend silent past the keepalive interval: the stream's head and a keepalive comment
+    went out, so its JSON error (status 200) is told as one SSE error event, no [DONE], and
+    nothing is billed (README "Streaming")."""
+    gw = start_gateway(workers=1, keepalive_s=0.5)
+    reply = json.dumps({"error": {"message": "model overloaded"}}).encode()
+    fake.enqueue([Sleep(1.5), Status(200, {"Content-Type": "application/json",
+                                           "Content-Length": str(len(reply))}, chunked=False),
+                  Send(reply)])
+    r = requests.post(chat_url(gw), json=stream_body(), headers=org.headers, timeout=30)
+    assert r.status_code == 200 and r.headers["Content-Type"].startswith("text/event-stream")
+    assert r.text.startswith(": keepalive") and "[DONE]" not in r.text
+    events = [json.loads(e[6:]) for e in data_events(r.content)]
+    assert len(events) == 1 and "not an event stream" in events[0]["error"]["message"]
+    settled(engine, r.headers["X-Neocloud-Generation-Id"])
+    assert [e["status"] for e in org_events(engine, org.id)] == ["upstream_error"]
     assert balance_nanos(engine, org.id) == (GRANT, 0, 0)
 
 
