@@ -66,6 +66,10 @@ class Family:
                               else [_part(p) for p in content])
         if out.get("tool_calls"):
             out["tool_calls"] = [_tool_call(c) for c in out["tool_calls"]]
+            if out.get("content") is None and not self.text_parts:
+                # OpenAI's tool-call turn has null content; llama-cpp-python's server refuses
+                # it (500) and string templates render it as "None": an empty turn instead.
+                out["content"] = ""
         return out
 
 

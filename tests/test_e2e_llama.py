@@ -173,6 +173,22 @@ def test_a_developer_message_reaches_the_model_as_system(llama_gateway, engine):
     assert resp.choices[0].message.content.strip()
 
 
+def test_the_tool_calling_loop_reaches_the_model(llama_gateway, engine):
+    """The SDK's own tool-call turn goes back as history (content null, then the tool's
+    answer), as every agent loop sends it: the model answers, and it is billed once."""
+    org = make_org(engine, "e2e-tool-loop")
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "weather", "arguments": "{\"city\": \"Paris\"}"}}
+    with sdk(llama_gateway, org.key) as client:
+        raw = client.chat.completions.with_raw_response.create(
+            model="smollm2-135m", max_tokens=8, messages=[
+                *MESSAGES, {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "21 C and sunny"}])
+    assert raw.parse().choices[0].message.content is not None
+    event = usage_event(engine, raw.headers["X-Neocloud-Generation-Id"])
+    assert event["status"] == "completed" and event["cost_nanos"] > 0
+
+
 def test_make_run_smoke_path_on_sqlite(llama_catalog, tmp_path):
     """The embedded default: SQLite file, `kiln` CLI as `make run` uses it, a real answer."""
     url = f"sqlite:///{tmp_path}/kiln.db"

@@ -62,7 +62,8 @@ CONVERSATION = [
 def expected(server):
     """What a backend of family ``server`` must receive for :data:`CONVERSATION`, literally:
     ``developer`` only where the family knows it, OpenAI-platform fields (``refusal``,
-    ``audio``) turned into content, text parts joined where the family wants strings."""
+    ``audio``) turned into content, text parts joined where the family wants strings (and a
+    tool-call turn's null content sent as "" there)."""
     developer = "developer" if server == "openai" else "system"
     strings = server in ("llama-cpp-python", "llama.cpp")
     joined = (lambda parts, whole: whole) if strings else (lambda parts, whole: parts)
@@ -77,7 +78,7 @@ def expected(server):
          "name": "bot"},
         {"role": "assistant", "content": "I cannot help with that."},
         {"role": "assistant", "content": ""},
-        {"role": "assistant", "content": None, "tool_calls": [CALL]},
+        {"role": "assistant", "content": "" if strings else None, "tool_calls": [CALL]},
         {"role": "tool", "tool_call_id": "call_1", "content": joined([text("21"), text(" C")],
                                                                      "21 C")},
         {"role": "tool", "tool_call_id": "call_1", "content": "ok"},
