@@ -107,13 +107,17 @@ def check_complete(rules, unfinished):
 
 
 def error_event(outcome, exc):
-    """Return the one SSE event that ends a failed stream: the error envelope, no ``[DONE]``."""
-    if outcome.status is Status.ERROR:
+    """Return the one SSE event that ends a failed stream: the error envelope, no ``[DONE]``.
+
+    Kiln's own decision to end it (a :class:`GatewayError` such as ``ShuttingDown``) is told in
+    its own words; a failure of Kiln's is logged and told as one; the rest are the backend's.
+    """
+    if outcome.status is Status.ERROR and isinstance(exc, GatewayError):
+        error = exc
+    elif outcome.status is Status.ERROR:
         log.error("stream relay failed", exc_info=exc)
-        message = "The gateway failed while relaying the stream."
+        error = InternalError("The gateway failed while relaying the stream.")
     else:
-        message = outcome.message or "The model backend failed mid-stream."
-    error = (InternalError(message) if outcome.status is Status.ERROR
-             else UpstreamError(message))
+        error = UpstreamError(outcome.message or "The model backend failed mid-stream.")
     error.code = outcome.code  # the outcome's, even none: the table decided it
     return frame(json.dumps(error.envelope()).encode())

@@ -91,6 +91,14 @@ def test_a_failed_stream_ends_with_one_error_event(outcome, expected):
     assert json.loads(event[len(b"data: "):]) == expected
 
 
+def test_a_stream_kiln_ends_on_purpose_is_told_in_its_own_words():
+    from gateway.errors import ShuttingDown
+    exc = ShuttingDown()
+    event = error_event(Outcome(Status.ERROR, 200, "server_shutting_down", exc.message), exc)
+    error = json.loads(event[len(b"data: "):])["error"]
+    assert error["code"] == "server_shutting_down" and error["message"] == exc.message
+
+
 def test_no_module_builds_an_envelope_by_hand():
     built = re.compile(r"""\{\s*["']error["']\s*:\s*\{\s*["'](message|type|code|param)["']""")
     found = [f"{p.name}:{n}" for p in GATEWAY.rglob("*.py") if p.name != "errors.py"
