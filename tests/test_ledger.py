@@ -287,11 +287,12 @@ class _Entry:  # the catalog entry's prices the sweeper bills with (USD per 1M t
 CATALOG_PRICES = {"fake-model": _Entry(("0.10", "0.05", "0.30"))}
 
 
-def _admit(ledger, org, key_id, hold=1_000_000):
+def _admit(ledger, org, key_id, hold=1_000_000, key_checks=False):
     from gateway.ledger import AdmissionRequest
     return ledger.store.admit_once(AdmissionRequest(
         gid="gen-" + uuid.uuid4().hex[:24], org_id=org.id, key_id=key_id, model="fake-model",
-        stream=True, hold_nanos=hold, in_flight_limit=8, lease_ttl_s=60, key_checks=False))[0]
+        stream=True, hold_nanos=hold, in_flight_limit=8, lease_ttl_s=60,
+        key_checks=key_checks))[0]
 
 
 def _settlement(gid, org, key_id, prompt, completion, cost):
@@ -300,6 +301,31 @@ def _settlement(gid, org, key_id, prompt, completion, cost):
     return Settlement(gid=gid, org_id=org.id, key_id=key_id, model="fake-model", stream=True,
                       status="completed", usage=Usage(prompt=prompt, completion=completion),
                       cost_nanos=cost)
+
+
+def test_a_cost_above_the_hold_is_debited_only_as_far_as_the_keys_limit(ledger_db):
+    """A key's spend limit is a cap, like the org's balance: a backend that reports more than
+    the hold is billed its hold plus what the limit leaves beyond the key's other holds."""
+    ledger, engine, org, key_id = ledger_db  # the org has $1
+    with engine.begin() as conn:
+        conn.execute(sa.text("UPDATE api_keys SET limit_usd = 0.005 WHERE id = :k"),
+                     {"k": key_id})
+    first = _admit(ledger, org, key_id, hold=1_000_000, key_checks=True)  # $0.001 each
+    second = _admit(ledger, org, key_id, hold=1_000_000, key_checks=True)
+    # The first's backend reported $0.01: its hold, plus the $0.003 the limit leaves beyond
+    # both holds. The second, within its hold, is debited in full.
+    over = ledger.store.settle_batch([_settlement(first, org, key_id, 10, 33_000, 10_000_000)])
+    assert over == {first: 4_000_000}
+    within = ledger.store.settle_batch([_settlement(second, org, key_id, 1, 1, 400)])
+    assert within == {second: 400}
+    with engine.connect() as conn:
+        assert conn.execute(sa.text("SELECT period_spent_nanos, held_nanos FROM api_keys "
+                                    "WHERE id = :k"), {"k": key_id}).one() == (4_000_400, 0)
+        assert conn.execute(sa.text("SELECT balance_nanos FROM credit_balances WHERE "
+                                    "org_id = :o"), {"o": org.id}).scalar_one() == \
+            10**9 - 4_000_400
+        assert conn.execute(sa.text("SELECT anomaly FROM usage_events WHERE id = :g"),
+                            {"g": first}).scalar_one()
 
 
 def test_a_late_real_settlement_corrects_the_sweepers_guess(ledger_db):

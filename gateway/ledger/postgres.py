@@ -169,8 +169,10 @@ BEGIN
    ORDER BY b.org_id FOR UPDATE;
   -- 3. Everything else, in one statement on the locked rows. A generation may take what it
   --    holds (a pending one: its hold; a corrected one: what it was charged) plus what its org
-  --    has free, shared in id order: a backend that reported more than the hold is billed in
-  --    full while the balance allows it. A correction moves the balance, the key's spend and
+  --    has free and its key's spend limit leaves, shared in id order: a backend that reported
+  --    more than the hold is billed in full while the balance and the key's limit allow it (the
+  --    key's row is read under the org's lock, which every admission on it takes first). A
+  --    correction moves the balance, the key's spend and
   --    the daily rollup by the difference from what the sweeper wrote.
   RETURN QUERY
   WITH s AS (SELECT * FROM jsonb_populate_recordset(NULL::kiln_settlement, p_batch) x
@@ -188,11 +190,20 @@ BEGIN
                  AS was_completion
           FROM s JOIN usage_events e ON e.id = s.gid
           LEFT JOIN lease l ON l.generation_id = s.gid),
-  d AS (SELECT j.*, CAST(LEAST(j.cost, j.base + GREATEST(0, b.balance_nanos - b.held_nanos
-                   - (SUM(GREATEST(j.cost - j.base, 0)) OVER w
-                      - GREATEST(j.cost - j.base, 0)))) AS bigint) AS debit
+  d AS (SELECT j.*, CAST(LEAST(j.cost, j.base + GREATEST(0, LEAST(
+                   b.balance_nanos - b.held_nanos
+                   - (SUM(GREATEST(j.cost - j.base, 0)) OVER w - GREATEST(j.cost - j.base, 0)),
+                   -- and what the key's spend limit leaves (NULL, so ignored, with no limit)
+                   CAST(ROUND(k.limit_usd * 1000000000) AS bigint) - k.held_nanos
+                   - CASE WHEN k.period_start IS DISTINCT FROM
+                               kiln_period_start(k.limit_reset, v_now)
+                          THEN 0 ELSE k.period_spent_nanos END
+                   - (SUM(GREATEST(j.cost - j.base, 0)) OVER wk
+                      - GREATEST(j.cost - j.base, 0))))) AS bigint) AS debit
           FROM j JOIN credit_balances b ON b.org_id = j.org_id
-        WINDOW w AS (PARTITION BY j.org_id ORDER BY j.gid)),
+          LEFT JOIN api_keys k ON k.id = j.api_key_id
+        WINDOW w AS (PARTITION BY j.org_id ORDER BY j.gid),
+               wk AS (PARTITION BY j.api_key_id ORDER BY j.gid)),
   ev AS (UPDATE usage_events e
             SET status = d.status, prompt_tokens = d.prompt, cached_tokens = d.cached,
                 completion_tokens = d.completion, cost_nanos = d.debit,

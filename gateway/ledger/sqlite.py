@@ -124,7 +124,9 @@ class SqliteStore:
         free = conn.execute(sa.select(bal.balance_nanos - bal.held_nanos)
                             .where(bal.org_id == s.org_id)).scalar()
         base = event.cost_nanos if fix else event.hold_nanos
-        debit = min(s.cost_nanos, base + max(0, free))
+        key_free = self._key_free(conn, s.key_id, now)
+        debit = min(s.cost_nanos, base + max(0, free if key_free is None
+                                               else min(free, key_free)))
         u = s.usage
         conn.execute(usage_events.update().where(ev.id == s.gid).values(
             status=s.status, prompt_tokens=u.prompt, cached_tokens=u.cached,
@@ -169,6 +171,16 @@ class SqliteStore:
         lease = conn.execute(sa.select(in_flight.c.expires_at)
                              .where(in_flight.c.generation_id == s.gid)).first()
         return lease is not None and _aware(lease.expires_at) < s.expired_before
+
+    def _key_free(self, conn, key_id, now):
+        """What the key's spend limit leaves beyond its spend this period and its holds
+        (nano-dollars), or None when it has no limit: a cost above the hold takes no more."""
+        k = conn.execute(sa.select(api_keys).where(api_keys.c.id == key_id)).first()
+        if k is None or k.limit_usd is None:
+            return None
+        spent = 0 if _aware(k.period_start) != period_start(k.limit_reset, now) \
+            else k.period_spent_nanos
+        return int(round(k.limit_usd * NANOS)) - spent - k.held_nanos
 
     def _key_usage(self, conn, key_id, debit, key_hold, now):
         k = conn.execute(sa.select(api_keys).where(api_keys.c.id == key_id)).first()

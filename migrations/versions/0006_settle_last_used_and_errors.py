@@ -15,6 +15,7 @@ Revision ID: 0006
 Revises: 0005
 Create Date: 2026-12-01
 """
+import sqlalchemy as sa
 from alembic import op
 
 from gateway.ledger.postgres import SETTLE
@@ -57,7 +58,9 @@ def upgrade():
 
 def downgrade():
     if op.get_bind().dialect.name == "postgresql":
-        previous = SETTLE
+        # The installed function, as later revisions' downgrades left it, not this code's.
+        previous = op.get_bind().execute(sa.text(
+            "SELECT pg_get_functiondef('kiln_settle(jsonb)'::regprocedure)")).scalar_one()
         for new, old in CHANGES:
             if previous.count(new) != 1:
                 raise RuntimeError("kiln_settle changed since 0006: write this downgrade again")
