@@ -36,7 +36,9 @@ def chat_url(gw):
 def test_a_client_that_stops_reading_stops_the_backend_and_is_hung_up_on(start_gateway, fake,
                                                                          org, engine):
     gw = start_gateway(workers=1, upstream_read_timeout_s=3)
-    event = sse_event(chat_chunk("x" * 32768))  # one 32 KiB token event, sent 4,096 times
+    # A 32 KiB event holding one token (the rest a long system_fingerprint, so that the budget
+    # is not what stops it), sent 4,096 times.
+    event = sse_event({**chat_chunk("x"), "system_fingerprint": "p" * 32768})
     script = [Status(200, {"Content-Type": "text/event-stream"})] + [Send(event)] * 4096
     fake.enqueue(script)
     sock = socket.create_connection(("127.0.0.1", gw.port))

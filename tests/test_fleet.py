@@ -80,6 +80,9 @@ def sdk_call(base_url, key, stream):
 
 
 def events_of(engine, org_id):
+    """The org's usage events, once none is pending (settlement commits just after the
+    answer: docs/METERING.md)."""
+    balance_nanos(engine, org_id)  # waits until the org has no pending event
     with engine.connect() as conn:
         return [dict(r) for r in conn.execute(sa.text(
             "SELECT * FROM usage_events WHERE org_id = :o ORDER BY started_at"), {"o": org_id})

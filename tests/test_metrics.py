@@ -59,6 +59,8 @@ def test_counters_sum_over_workers_whichever_served(start_gateway, fake, engine)
         if len(pids_with_counters(gw)) >= 2:
             break
     assert len(pids_with_counters(gw)) == 2, "one worker served everything"
+    # settlements commit (and are counted) just after their answers: wait for the last
+    wait_until(lambda: value(scrape(gw), "kiln_settlement_batch_size_sum") == sent)
     m = scrape(gw)
     assert value(m, "kiln_requests_total", model="fake-model", status="completed") == sent
     assert value(m, "kiln_tokens_total", model="fake-model", kind="prompt") == 10 * sent
