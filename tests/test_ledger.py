@@ -208,7 +208,7 @@ def test_money_stays_exact_through_a_killed_worker_and_a_database_crash(
         stop.set()
         for t in clients:
             t.join(60)
-        _assert_faults_hit(seen, gw.log())
+        _assert_faults_hit(seen)
         _assert_every_answer_has_one_event(db, seen)
         assert "sweeper closed" in gw.log()  # the gateway's own sweeper, none run by hand
         with db.connect() as conn:
@@ -221,15 +221,17 @@ def test_money_stays_exact_through_a_killed_worker_and_a_database_crash(
         gw.stop()
 
 
-def _assert_faults_hit(seen, log):
+def _assert_faults_hit(seen):
     """The kill cut answers that had begun; during the restart, admissions were refused with
-    503 (the database unreachable or its connections all busy) and settlements retried."""
+    503 (the database unreachable or its connections all busy)."""
     kinds = [kind for kind, *_ in seen]
     assert kinds.count("answered") > 50, kinds
     assert kinds.count("cut") >= 1, "the kill cut no stream that had its id"
     codes = {(status, code) for kind, _, status, code in seen if kind == "refused"}
     assert codes & {(503, "database_unavailable"), (503, "database_busy")}, codes
-    assert "settlement of" in log  # "... failed; retrying"
+    # Settlements in flight when the database went down are retried, when there were any:
+    # settlement follows its answer by milliseconds, so a restart may find none (the
+    # stopped-database test above holds settlements through an outage on purpose).
 
 
 def _assert_every_answer_has_one_event(db, seen):
