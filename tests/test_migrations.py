@@ -155,3 +155,65 @@ def test_0006_takes_client_cancellations_out_of_the_rollups_errors_and_back(empt
     assert errors() == 1
     kiln(url, "db", "downgrade", "0005")
     assert errors() == 2
+
+
+def _org_key_and_events(engine, events):
+    """Insert an org, a key and ``events`` [(id, status, started_at, cost_nanos)]: (org, key)."""
+    with engine.begin() as conn:
+        conn.execute(sa.text("INSERT INTO orgs (name) VALUES ('acme')"))
+        org = conn.execute(sa.text("SELECT id FROM orgs")).scalar_one()
+        conn.execute(sa.text("INSERT INTO api_keys (org_id, prefix, key_hash) VALUES "
+                             "(:o, 'kiln-abc', 'h')"), {"o": org})
+        key = conn.execute(sa.text("SELECT id FROM api_keys")).scalar_one()
+        for gid, status, started_at, cost in events:
+            conn.execute(sa.text(
+                "INSERT INTO usage_events (id, org_id, api_key_id, model, stream, status, "
+                "started_at, cost_nanos, completion_tokens) "
+                "VALUES (:g, :o, :k, 'm', false, :s, :t, :c, 7)"),
+                {"g": gid, "o": org, "k": key, "s": status, "t": started_at, "c": cost})
+    return org, key
+
+
+EVENTS = (("gen-1", "completed", "2026-11-29 10:00:00+00:00", 5),
+          ("gen-2", "upstream_error", "2026-11-29 23:59:59+00:00", 0),
+          ("gen-3", "completed", "2026-11-30 00:00:01+00:00", 11),
+          ("gen-4", "pending", "2026-11-30 08:00:00+00:00", 0))
+
+
+def _rollup(engine):
+    with engine.connect() as conn:
+        return [(str(day), requests, errors, tokens, cost) for day, requests, errors, tokens, cost
+                in conn.execute(sa.text(
+                    "SELECT day, requests, errors, completion_tokens, cost_nanos "
+                    "FROM usage_daily ORDER BY day"))]
+
+
+def test_0003_backfills_one_row_per_utc_day(empty_db):
+    """Events settled before 0003 land in their UTC day's row on both dialects (on SQLite a CAST
+    to DATE would have made the year of each day)."""
+    url, engine = empty_db
+    kiln(url, "db", "upgrade", "0002")
+    _org_key_and_events(engine, EVENTS)
+    kiln(url, "db", "upgrade")
+    assert _rollup(engine) == [("2026-11-29", 2, 1, 14, 5), ("2026-11-30", 1, 0, 7, 11)]
+
+
+def test_0008_rebuilds_a_sqlite_rollup_whose_days_are_numbers(tmp_path):
+    """A SQLite database that 0003 as first released left with the day 2026 is rebuilt from its
+    settled events; one without such a row is left as it is."""
+    url = f"sqlite:///{tmp_path / 'kiln.db'}"
+    engine = sa.create_engine(url)
+    kiln(url, "db", "upgrade", "0007")
+    org, key = _org_key_and_events(engine, EVENTS)
+    with engine.begin() as conn:
+        conn.execute(sa.text("INSERT INTO usage_daily (org_id, day, model, api_key_id, requests, "
+                             "errors, cost_nanos) VALUES (:o, 2026, 'm', :k, 3, 1, 16)"),
+                     {"o": org, "k": key})
+    kiln(url, "db", "upgrade")
+    assert _rollup(engine) == [("2026-11-29", 2, 1, 14, 5), ("2026-11-30", 1, 0, 7, 11)]
+    kiln(url, "db", "downgrade", "0007")
+    with engine.begin() as conn:  # a healthy rollup, even one that disagrees, is not touched
+        conn.execute(sa.text("UPDATE usage_daily SET requests = 9"))
+    kiln(url, "db", "upgrade")
+    assert [row[1] for row in _rollup(engine)] == [9, 9]
+    engine.dispose()

@@ -29,11 +29,11 @@ KEY_CHECKS = {"limit_reset": "limit_reset IN ('daily', 'weekly', 'monthly')",
 BACKFILL_DAILY = """INSERT INTO usage_daily (org_id, day, model, api_key_id, requests, errors,
                                          prompt_tokens, cached_tokens, completion_tokens,
                                          cost_nanos)
-SELECT org_id, CAST({day} AS DATE), model, api_key_id, COUNT(*),
+SELECT org_id, {day}, model, api_key_id, COUNT(*),
        SUM(CASE WHEN status <> 'completed' THEN 1 ELSE 0 END), SUM(prompt_tokens),
        SUM(cached_tokens), SUM(completion_tokens), SUM(cost_nanos)
   FROM usage_events WHERE status <> 'pending'
- GROUP BY org_id, CAST({day} AS DATE), model, api_key_id"""
+ GROUP BY org_id, {day}, model, api_key_id"""
 BACKFILL_KEYS = """UPDATE api_keys SET period_spent_nanos = COALESCE((
   SELECT SUM(cost_nanos) FROM usage_events e
    WHERE e.api_key_id = api_keys.id AND e.status <> 'pending'), 0)"""
@@ -71,9 +71,9 @@ def upgrade():
                        "completion_tokens", "cost_nanos")),
         sa.PrimaryKeyConstraint("org_id", "day", "model", "api_key_id", name="pk_usage_daily"),
     )
-    day = "started_at AT TIME ZONE 'UTC'" if postgres else "started_at"
-    op.execute(BACKFILL_DAILY.format(day=day) if postgres else BACKFILL_DAILY.format(
-        day="substr(started_at, 1, 10)"))
+    # SQLite keeps dates as text; a CAST to DATE there makes a number of one (0008 repairs it).
+    op.execute(BACKFILL_DAILY.format(day="CAST(started_at AT TIME ZONE 'UTC' AS DATE)"
+                                     if postgres else "substr(started_at, 1, 10)"))
     op.execute(BACKFILL_KEYS)
     if postgres:
         for name, condition in KEY_CHECKS.items():
