@@ -54,8 +54,8 @@ def test_a_backend_that_ignores_max_tokens_is_cut_at_the_cap_and_billed_the_cap(
               if "usage_anomaly" in line and gid in line]
     assert [(e["generation_id"], e["completion_cap"]) for e in logged] == [(gid, 5)]
     # the backend was closed at the cut, long before its 50 chunks were sent
-    record = fake.requests[-1]
-    assert record.closed_at is not None and not record.completed
+    record = fake.wait_for(lambda rs: rs[-1].closed_at is not None and rs[-1])
+    assert not record.completed
 
 
 def test_a_backend_that_packs_many_tokens_into_each_delta_is_cut_by_their_bytes(
@@ -72,7 +72,8 @@ def test_a_backend_that_packs_many_tokens_into_each_delta_is_cut_by_their_bytes(
     event = usage_event(engine, r.headers["X-Neocloud-Generation-Id"])
     assert event["completion_tokens"] == 0 and event["anomaly"] is True
     assert anomalies(gateway) == before + 1
-    assert fake.requests[-1].closed_at is not None and not fake.requests[-1].completed
+    record = fake.wait_for(lambda rs: rs[-1].closed_at is not None and rs[-1])
+    assert not record.completed
 
 
 def test_a_reply_proven_past_the_cap_is_billed_its_bytes_uncapped(gateway, fake, org, engine):
