@@ -96,8 +96,9 @@ def child_exit(server, worker):
 
 
 def post_worker_init(worker):
-    """Keep expected request errors out of stderr, and end running generations before a graceful
-    stop's deadline (runs in each worker, after the app loaded).
+    """Keep expected request errors out of stderr, answer unparsable requests in the envelope,
+    and end running generations before a graceful stop's deadline (runs in each worker, after
+    the app loaded).
 
     gevent prints every exception a greenlet dies with, message and traceback, to stderr. The
     gateway's upstream greenlets end with a GatewayError (502, 400, ...) as an ordinary result
@@ -106,11 +107,23 @@ def post_worker_init(worker):
     """
     import gevent
     from gevent import get_hub
+    from gunicorn import util
 
     from gateway.errors import GatewayError
     hub = get_hub()
     hub.NOT_ERROR = tuple(hub.NOT_ERROR) + (GatewayError,)
+    util.write_error = _write_error_envelope
     gevent.spawn(_end_generations_before_the_kill, worker)
+
+
+def _write_error_envelope(sock, status_int, reason, mesg):
+    """gunicorn's answer to a request it could not parse (``gunicorn.util.write_error``, which
+    writes an HTML page), in the OpenAI error envelope instead, for clients that reach the
+    workers without nginx (``make run``)."""
+    from gunicorn import util
+
+    from gateway.errors import ProtocolError
+    util.write_nonblock(sock, ProtocolError(status_int, mesg).http_bytes(reason))
 
 
 def _end_generations_before_the_kill(worker):

@@ -188,6 +188,31 @@ class HTTPError(GatewayError):
         self.type = "invalid_request_error" if err.code < 500 else "server_error"
 
 
+class ProtocolError(GatewayError):
+    """A request the HTTP server refused before the app saw it (a bad request line, header or
+    chunk size; a header too large): the server's status and message, in the envelope, as nginx
+    answers the same faults in front of it (deploy/nginx/kiln.conf)."""
+
+    CODES = {400: "bad_request", 403: "forbidden", 414: "uri_too_long",
+             417: "expectation_failed", 431: "request_header_too_large",
+             501: "not_implemented"}
+
+    def __init__(self, status, message):
+        super().__init__(message or "Internal error.",
+                         code=self.CODES.get(status, "internal_error" if status >= 500
+                                             else "bad_request"))
+        self.status = status
+        self.type = ("permission_error" if status == 403 else
+                     "invalid_request_error" if status < 500 else "server_error")
+
+    def http_bytes(self, reason):
+        """The whole HTTP/1.1 response (``Connection: close``) as bytes."""
+        body = json.dumps(self.envelope()).encode()
+        return (f"HTTP/1.1 {self.status} {reason}\r\nConnection: close\r\n"
+                f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+                ).encode("latin-1") + body
+
+
 def json_error(status, envelope, headers=None):
     """Return a JSON response with ``envelope`` and ``status``."""
     return Response(json.dumps(envelope), status=status, mimetype="application/json",

@@ -712,3 +712,23 @@ def test_body_that_cannot_fit_the_context_window_is_refused_early(client, fake, 
     assert err.value.body["code"] == "context_length_exceeded"
     assert err.value.body["param"] == "messages"
     assert_no_trace(engine, fake, org)
+
+
+@pytest.mark.parametrize("head, status, code", [
+    (b"GET /v1/credits HTTP/1.1\r\nHost: x\r\nBad Header: 1\r\n\r\n", 400, "bad_request"),
+    (b"GET /v1/credits HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 9000 + b"\r\n\r\n", 431,
+     "request_header_too_large"),
+    (b"GET /v1/credits HTTP/9.9\r\nHost: x\r\n\r\n", 400, "bad_request"),
+    (b"G(ET) /v1/credits HTTP/1.1\r\nHost: x\r\n\r\n", 400, "bad_request"),
+], ids=["header-name", "header-too-large", "http-version", "method"])
+def test_requests_the_server_cannot_parse_are_answered_in_the_envelope(gateway, head, status,
+                                                                        code):
+    """Without nginx in front, gunicorn itself refuses these before the app sees them; the
+    answer is still the envelope, not gunicorn's HTML page."""
+    reply_head, body = http_request(gateway.port, head)
+    assert reply_head.split()[1] == str(status), reply_head
+    assert "Content-Type: application/json" in reply_head
+    error = json.loads(body)["error"]
+    assert (error["code"], error["type"], error["param"]) == (code, "invalid_request_error",
+                                                                None)
+    assert error["message"]
