@@ -119,6 +119,10 @@ def test_200_concurrent_across_two_gateways_never_exceed_the_limit(start_gateway
     body = {"model": "fake-model", "messages": MESSAGES, "max_tokens": 16}
     admitted_total = 0
     for _round in range(2):
+        # The fake's count of running scripts drops just after each one's last byte (which its
+        # client may have read already), and the shared fake may still be ending an earlier
+        # test's hung script: start the high-water mark from an idle fake.
+        wait_until(lambda: fake.active == 0)
         fake.reset_stats()
         seen = len(fake.requests)
         responses = concurrently(200, lambda i: post(gateways[i % 2].base_url, org, body))
@@ -257,6 +261,9 @@ def test_sigkilled_worker_gives_its_slots_back_within_the_ttl(start_gateway, fak
     for r in streams:
         r.close()  # the other worker's streams end normally (client_cancelled)
     time.sleep(max(0.0, killed_at + ttl_s - time.monotonic()))
+    # The other worker settles its streams once it notices their clients gone: wait for their
+    # leases to go, so that only the killed worker's (expired) remain for admission to reclaim.
+    wait_until(lambda: live_leases(engine, org.id) == 0, timeout_s=30)
     assert_eight_then_429(gw.base_url, fake, org, engine)
     events = {g: usage_event(engine, g) for g in gids}
     abandoned = [e for e in events.values() if e["status"] == "abandoned"]
@@ -302,6 +309,13 @@ def test_requests_longer_than_the_ttl_keep_their_lease(start_gateway, fake, engi
     assert [e["status"] for e in events] == ["completed", "completed"]
     # 7 prompt and 11 completion tokens of fake-model: 7 x 100 + 11 x 300 nano-dollars.
     assert usage_event(engine, plain.headers["X-Neocloud-Generation-Id"])["cost_nanos"] == 4_000
+
+
+def live_leases(engine, org_id):
+    """The org's leases not yet expired (by the database's clock)."""
+    with engine.connect() as conn:
+        return conn.execute(sa.text("SELECT count(*) FROM in_flight WHERE org_id = :o AND "
+                                    "expires_at > CURRENT_TIMESTAMP"), {"o": org_id}).scalar_one()
 
 
 def lease_expiries(engine, org_id, count):
