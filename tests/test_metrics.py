@@ -100,8 +100,11 @@ def test_errors_by_code_and_the_in_flight_gauge(start_gateway, fake, engine):
     assert post().status_code == 429  # the org's one slot is taken by the open stream
     assert value(scrape(gw), "kiln_in_flight") == 1
     stream.close()  # the client leaves: settled as client_cancelled, the slot comes back
-    wait_until(lambda: value(scrape(gw), "kiln_in_flight") == 0, timeout_s=30)
-    m = scrape(gw)
+    # The worker counts the cancellation when it notices the client gone: the gauge first,
+    # then the request's counter, so wait for both.
+    m = wait_until(lambda: (m := scrape(gw)) and value(m, "kiln_in_flight") == 0 and value(
+        m, "kiln_requests_total", model="fake-model", status="client_cancelled") and m,
+        timeout_s=30)
     for status, code in (("404", "model_not_found"), ("401", "invalid_api_key"),
                          ("502", "upstream_error"), ("429", "rate_limit_exceeded")):
         assert value(m, "kiln_errors_total", http_status=status, code=code) == 1, code
