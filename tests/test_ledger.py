@@ -210,7 +210,9 @@ def test_money_stays_exact_through_a_killed_worker_and_a_database_crash(
             t.join(60)
         _assert_faults_hit(seen)
         _assert_every_answer_has_one_event(db, seen)
-        assert "sweeper closed" in gw.log()  # the gateway's own sweeper, none run by hand
+        # The gateway's own sweeper, none run by hand; it logs just after its commit, which
+        # the wait above may have seen first.
+        wait_until(lambda: "sweeper closed" in gw.log(), timeout_s=10)
         with db.connect() as conn:
             assert conn.execute(sa.text("SELECT count(*) FROM in_flight")).scalar_one() == 0
             assert conn.execute(sa.text(
