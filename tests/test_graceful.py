@@ -23,7 +23,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 
 from fake_upstream import default_script
 from gateway.reconcile import reconcile
-from gateway_proc import make_org, wait_until
+from gateway_proc import balance_nanos, make_org, wait_until
 
 pytestmark = pytest.mark.postgres
 
@@ -82,6 +82,9 @@ def assert_whole(streams):
 
 def assert_books_balance(engine, org, admitted):
     """Every admitted request has a final usage event; the org reconciles exactly."""
+    # A live worker commits a settlement just after its answer has left (docs/METERING.md):
+    # first wait (bounded) until the org has no pending event.
+    balance_nanos(engine, org.id)
     with engine.connect() as conn:
         events = conn.execute(sa.text("SELECT id, status, cost_nanos, completion_tokens "
                                       "FROM usage_events WHERE org_id = :o"),
