@@ -95,11 +95,16 @@ def catalog_path(tmp_path_factory, fake_upstream):
     return path
 
 
+# How long a worker keeps the maintenance switch it read (KILN_MAINTENANCE_POLL_S): a request
+# that reaches a worker this long after a switch has committed sees it.
+MAINTENANCE_POLL_S = 0.5
+
+
 def gateway_env(pg_url, catalog_path, **overrides):
     # No active probe unless a test asks (tests/test_fleet.py): its GETs would be among the
     # requests a test reads back from the fake upstream.
     env = {"KILN_DATABASE_URL": pg_url, "KILN_MODELS": str(catalog_path),
-           "KILN_KEY_CACHE_TTL_S": "1", "KILN_MAINTENANCE_POLL_S": "0.5",
+           "KILN_KEY_CACHE_TTL_S": "1", "KILN_MAINTENANCE_POLL_S": str(MAINTENANCE_POLL_S),
            "KILN_PROBE_INTERVAL_S": "0"}
     env.update({f"KILN_{k.upper()}": str(v) for k, v in overrides.items()})
     return env

@@ -3,6 +3,7 @@
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import openai
@@ -10,6 +11,7 @@ import pytest
 import requests
 import sqlalchemy as sa
 
+from conftest import MAINTENANCE_POLL_S
 from fake_upstream import FakeUpstream, error_reply
 from gateway_proc import balance_nanos, free_port, usage_event, wait_until
 
@@ -53,15 +55,23 @@ def maintenance_switch(pg_url, engine, gateway, org):
     yield lambda *args: kiln(pg_url, "maintenance", *args)
     from gateway.ops import set_maintenance
     set_maintenance(engine, False)
+    off = time.monotonic()
     wait_until(lambda: statuses(gateway, org, n=4) == [200] * 4, timeout_s=20, interval_s=0.2)
+    # Those four may all have gone to one worker: past the poll interval every worker has
+    # dropped a switch read before, so the next test's requests find none in maintenance.
+    time.sleep(max(0.0, off + MAINTENANCE_POLL_S - time.monotonic()))
 
 
 def test_maintenance_on_then_off_without_restart(gateway, fake, org, engine, client,
                                                  maintenance_switch):
     out = maintenance_switch("on", "--retry-after", "120", "--message", "Upgrading Kiln.")
     assert "maintenance=on retry_after_s=120" in out
+    switched = time.monotonic()
     # Every worker re-reads the switch within seconds (KILN_MAINTENANCE_POLL_S).
     wait_until(lambda: statuses(gateway, org) == [503] * 12, timeout_s=15, interval_s=0.2)
+    # Twelve new connections may all have reached one worker; the other drops the state it
+    # read before the switch once its poll interval has passed (the same monotonic clock).
+    time.sleep(max(0.0, switched + MAINTENANCE_POLL_S - time.monotonic()))
     with requests.post(gateway.base_url + "/v1/chat/completions", json=BODY,
                        headers=headers(org), timeout=30) as r:
         assert r.status_code == 503 and r.headers["Retry-After"] == "120"
