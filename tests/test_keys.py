@@ -176,6 +176,8 @@ def test_the_calling_key_shows_its_limit_usage_and_remaining(gateway, fake, engi
                           headers=org.headers, timeout=30)
     cost = usage_event(engine, reply.headers["X-Neocloud-Generation-Id"])["cost_nanos"]
     assert cost > 0
+    # The key check writes last_used_at in a greenlet of its own, off the request's path.
+    wait_until(lambda: last_used(engine, org)[1])
     key = get(gateway, "/v1/key", org).json()
     today = datetime.now(timezone.utc).date()
     assert {k: key[k] for k in ("object", "label", "prefix", "limit_usd", "limit_reset",
