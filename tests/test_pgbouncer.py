@@ -104,6 +104,11 @@ def test_two_gateways_through_pgbouncer_keep_the_ledger_exact(bouncer, catalog_p
             [*json_reply(chat_completion("ab", usage=make_usage(6, 2)))])
         before = ledger_calls(engine)
         codes, gids = [], []
+        # The shared fake may still be ending an earlier test's script (its count drops just
+        # after the last byte, or once it sees a hung connection closed): count this test's
+        # requests only.
+        wait_until(lambda: fake.active == 0)
+        fake.reset_stats()
 
         def client(i):
             r = requests.post(gateways[i % 2].base_url + "/v1/chat/completions",
