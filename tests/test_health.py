@@ -20,15 +20,18 @@ def test_breaker_opens_after_consecutive_failures_with_growing_cooldown():
     assert not breaker.failure(policy) and not breaker.failure(policy)
     breaker.success()  # not consecutive any more
     assert not breaker.failure(policy) and not breaker.failure(policy)
+    before = time.monotonic()
     assert breaker.failure(policy)
     now = time.monotonic()
     assert not breaker.is_up(now) and breaker.state(now) == "open"
-    assert 9 < breaker.open_until - now <= 10
+    assert opened_for(breaker, before, now, 10)
     assert breaker.is_up(now + 11) and breaker.state(now + 11) == "half_open"
+    before = time.monotonic()
     assert breaker.failure(policy)  # half-open: one failure reopens, for twice as long
-    assert 19 < breaker.open_until - time.monotonic() <= 20
+    assert opened_for(breaker, before, time.monotonic(), 20)
+    before = time.monotonic()
     assert breaker.failure(policy)
-    assert 24 < breaker.open_until - time.monotonic() <= 25  # the ceiling
+    assert opened_for(breaker, before, time.monotonic(), 25)  # the ceiling
     breaker.success()
     assert breaker.state(time.monotonic()) == "closed"
     assert not breaker.failure(policy)  # a fresh count after closing
@@ -108,11 +111,14 @@ def answering():
     server.server_close()
 
 
+def opened_for(breaker, before, after, cooldown_s):
+    """Whether ``breaker`` was opened for ``cooldown_s`` by a failure between the
+    ``time.monotonic()`` readings ``before`` and ``after`` (exact: no margin for the clock to
+    run out on a loaded machine)."""
+    return before + cooldown_s <= breaker.open_until <= after + cooldown_s
+
+
 POLICY = BreakerPolicy(failures=2, cooldown_s=10, max_cooldown_s=100)
-
-
-def cooldown_left(breaker):
-    return breaker.open_until - time.monotonic()
 
 
 def test_the_probe_never_brings_back_a_backend_whose_chat_requests_failed(answering):
@@ -121,14 +127,17 @@ def test_the_probe_never_brings_back_a_backend_whose_chat_requests_failed(answer
     backend, session = answering
     breaker = backend.state.breaker
     breaker.failure(POLICY, request=True)
+    before = time.monotonic()
     assert breaker.failure(POLICY, request=True)  # two 5xx in a row: open for 10 s
+    after = time.monotonic()
     assert probe(session, backend, "/models", 5, POLICY) == "failing"
-    assert breaker.state(time.monotonic()) == "open" and 9 < cooldown_left(breaker) <= 10
+    assert breaker.state(time.monotonic()) == "open" and opened_for(breaker, before, after, 10)
     breaker.open_until = time.monotonic() - 1  # the cool-down ran out: half-open
     assert probe(session, backend, "/models", 5, POLICY) == "failing"
     assert breaker.state(time.monotonic()) == "half_open"
+    before = time.monotonic()
     assert breaker.failure(POLICY, request=True)  # the one request let through failed
-    assert 19 < cooldown_left(breaker) <= 20      # twice as long: the growth was kept
+    assert opened_for(breaker, before, time.monotonic(), 20)  # twice as long: growth kept
     breaker.open_until = time.monotonic() - 1
     breaker.success()                             # the next one was answered
     assert breaker.state(time.monotonic()) == "closed" and breaker.openings == 0
