@@ -254,8 +254,10 @@ def test_sweep_closes_the_expired_lease_and_reconcile_then_passes(fresh_pg, cata
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_the_usage_event_is_final_when_the_client_has_its_answer(gateway, fake, org, stream):
-    """No waiting and no polling: the generation read right after the reply (or [DONE]) shows
-    its final status and cost, the one the reply told (docs/METERING.md)."""
+    """No waiting and no polling: the generation read right after the reply (or [DONE]), on the
+    same keep-alive connection as the SDKs read it (so from the worker that answered, which
+    waits for its own settlement), shows its final status and cost, the one the reply told
+    (docs/METERING.md). Another worker re-reads a pending event for 50 ms: not asserted here."""
     usage = make_usage(prompt=12, completion=34)
     fake.enqueue(sse([chat_chunk("Hi", finish_reason="stop"),
                       chat_chunk(choices=False, usage=usage)]) if stream
@@ -263,9 +265,11 @@ def test_the_usage_event_is_final_when_the_client_has_its_answer(gateway, fake, 
     body = {"model": "fake-model", "messages": MESSAGES, "stream": stream}
     if stream:
         body["stream_options"] = {"include_usage": True}
-    r = requests.post(gateway.base_url + CHAT, headers=org.headers, timeout=30, json=body)
+    session = requests.Session()
+    r = session.post(gateway.base_url + CHAT, headers=org.headers, timeout=30, json=body)
     told = (json.loads(r.text.split("data: ")[-2], parse_float=Decimal) if stream
             else r.json(parse_float=Decimal))["usage"]["cost"]
-    view = get(gateway, "/v1/generation", org, id=r.headers["X-Neocloud-Generation-Id"]).json()
+    view = session.get(gateway.base_url + "/v1/generation", headers=org.headers, timeout=30,
+                       params={"id": r.headers["X-Neocloud-Generation-Id"]}).json()
     assert view["status"] == "completed" and Decimal(view["cost_usd"]) == told
     assert view["cost_usd"] == "0.0000114"  # 12 × 0.10 + 34 × 0.30 micro-dollars
