@@ -131,7 +131,7 @@ def test_a_retry_waits_no_longer_than_the_time_left_before_the_deadline(tmp_path
     # no more than what the first try's 0.6 s left, however loaded the machine.
     assert started + 1.0 - begun <= cut[0] == cut[1] < 0.45 and begun - started < 1.0
     assert all(t - started < 1.0 for t, _, _ in tries)
-    assert time.monotonic() - started < 1.2  # not the full 30 s of a first byte
+    assert time.monotonic() - started < 5  # not the full 30 s of a first byte
     assert first.state.breaker.failures == 1
     assert second.state.breaker.failures == 0  # cut short: it proves nothing of the backend
     route.release()
@@ -150,7 +150,7 @@ def test_no_retry_begins_while_waiting_for_a_slot_past_the_deadline(tmp_path):
     started = time.monotonic()
     with pytest.raises(UpstreamError):  # the client learns what the backend did
         route.open(send, TIMEOUTS)
-    assert 0.3 <= time.monotonic() - started < 0.5  # the deadline, not backend_wait_s
+    assert 0.3 <= time.monotonic() - started < 2.5  # the deadline, not backend_wait_s's 5 s
     assert calls == [route.tried[0]] and route.tried == calls
     route.release()
     holder.release()
