@@ -320,7 +320,7 @@ def keepalive_gateway(start_gw):
     return start_gw(keepalive_s=1)
 
 
-def silent_script(before_status_s=0.0, silence_s=2.6):
+def silent_script(before_status_s=0.0, silence_s=3.4):
     steps = [Sleep(before_status_s)] if before_status_s else []
     return steps + [Status(200, SSE_HEAD), Sleep(silence_s),
                     Send(b"data: " + json.dumps(chat_chunk("a")).encode() + b"\n\n"),
