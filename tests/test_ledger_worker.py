@@ -1,7 +1,10 @@
 """The ledger's greenlets in one worker (gateway/ledger/worker.py), with a scripted store: an
 admission that waits past its deadline gives up and is settled when the database answers
 after all; waiting for an org's or a generation's outstanding settlements."""
+import time
+
 import gevent
+import gevent.socket
 import pytest
 from gevent.event import Event
 
@@ -65,3 +68,45 @@ def test_waiting_for_an_orgs_outstanding_settlements():
     assert first.committed.is_set() and first.debited == 7
     assert writer.wait_idle(2) and writer.wait_for(1, gid="gen-b") is False
     assert sorted(store.settled) == ["gen-a", "gen-b"]
+
+
+
+class SocketStore:
+    """``admit_batch`` answers once a byte arrives on its socket (as a database's reply)."""
+
+    def __init__(self):
+        self.ours, self.database = gevent.socket.socketpair()
+
+    def admit_batch(self, requests):
+        self.ours.recv(1)
+        return [(r.gid, "t0", None, None, None, None, None, None) for r in requests]
+
+
+def admit_as_the_deadline_passes():
+    """One admission whose answer and deadline fall due together: (outcome, orphans)."""
+    store, orphans, outcome = SocketStore(), [], []
+    admitter = Admitter(store, on_orphan=lambda request, row: orphans.append(row[0]))
+
+    def request():
+        try:
+            outcome.append(admitter.admit(Request("gen-edge"), timeout_s=0.02)[0])
+        except gevent.Timeout:
+            outcome.append("timeout")
+    waiting = gevent.spawn(request)
+    gevent.sleep(0.005)  # queued; the batch waits for the database
+    store.database.send(b"x")
+    time.sleep(0.05)  # the hub held past the deadline: answer and timeout due together
+    waiting.join()
+    gevent.sleep(0.01)
+    return outcome, orphans
+
+
+def test_an_answer_that_lands_with_the_deadline_is_settled_never_dropped():
+    """The database's answer and the request's deadline can fall due in one turn of the event
+    loop; the answer's greenlet may run first and hand the row over, and gevent's
+    AsyncResult.get still raises the timeout. The admission is then handed to ``on_orphan``
+    to be settled (the request gave up: 503), never left leased (a slot lost until the
+    sweeper)."""
+    for _ in range(5):
+        assert admit_as_the_deadline_passes() in ((["gen-edge"], []),
+                                                  (["timeout"], ["gen-edge"]))

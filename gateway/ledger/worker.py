@@ -41,7 +41,8 @@ class Admitter:
 
     A batch is ordered by org, so that every batch locks org rows in the same order. A request
     that stops waiting (its deadline passed while the database was stalled) and is admitted
-    after all is handed to ``on_orphan(request, row)``, which settles it at once.
+    after all, or in the same turn of the event loop, is handed to ``on_orphan(request, row)``,
+    which settles it at once.
     """
 
     def __init__(self, store, on_orphan=None):
@@ -59,8 +60,12 @@ class Admitter:
         self._queue.put(waiter)
         try:
             return waiter.result.get(timeout=timeout_s)
-        except gevent.Timeout:
+        except BaseException:
             waiter.orphaned = True
+            # The deadline and the answer can fall in one turn of the event loop: the result
+            # is then set, yet the timeout is raised (gevent's AsyncResult.get).
+            if waiter.result.ready() and waiter.result.successful():
+                self._orphan(waiter.request, waiter.result.value)
             raise
 
     def _run(self):
@@ -76,8 +81,12 @@ class Admitter:
             for waiter, row in zip(batch, rows, strict=True):
                 if not waiter.orphaned:
                     waiter.result.set(row)
-                elif row is not None and row[0] is not None and self.on_orphan is not None:
-                    self.on_orphan(waiter.request, row)
+                else:
+                    self._orphan(waiter.request, row)
+
+    def _orphan(self, request, row):
+        if row is not None and row[0] is not None and self.on_orphan is not None:
+            self.on_orphan(request, row)
 
 
 class _Waiter:
