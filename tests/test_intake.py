@@ -9,6 +9,7 @@ uncharged, never a 500, and no in-flight slot leaks.
 """
 import json
 import socket
+import threading
 import uuid
 
 import pytest
@@ -275,11 +276,30 @@ def test_more_arrivals_than_the_pool_admits_are_503_with_retry_after(start_gatew
     gw = start_gateway(workers=1, db_pool_size=1, db_max_overflow=0, db_pool_timeout_s=0.05)
     org = make_org(engine, f"crowd-{uuid.uuid4().hex[:8]}", usd="100", limit=1000)
 
+    refused = threading.Event()
+
     def one(_):
         r = requests.post(gw.base_url + "/v1/chat/completions", timeout=120,
                           headers=org.headers, json={**SMALL, "stream": True})
+        if r.status_code == 503:
+            refused.set()
         return r.status_code, r.headers, r.content
+
+    def stall_the_database():
+        # A fast database admits 200 arrivals in a few batches before any waits out its pool
+        # timeout. Holding the org's balance row (as a long transaction would) keeps the one
+        # pooled connection's admission waiting until the others have been refused.
+        with engine.connect() as conn, conn.begin():
+            conn.execute(sa.text("SELECT 1 FROM credit_balances WHERE org_id = :o FOR UPDATE"),
+                         {"o": org.id})
+            locked.set()
+            refused.wait(timeout=60)
+    locked = threading.Event()
+    staller = threading.Thread(target=stall_the_database)
+    staller.start()
+    assert locked.wait(timeout=30)
     answers = concurrently(200, one)  # released together: arrivals the pool cannot admit
+    staller.join()
     statuses = sorted({status for status, _, _ in answers})
     assert set(statuses) <= {200, 503}, statuses
     busy = [(h, json.loads(body)) for status, h, body in answers if status == 503]
@@ -302,3 +322,7 @@ def test_more_arrivals_than_the_pool_admits_are_503_with_retry_after(start_gatew
     assert orphans[1] == 0 and orphans[0] <= len(busy)
     assert set(by_status) == {"completed"} and by_status["completed"][0] == completed
     assert balance == 100 * 10**9 - by_status["completed"][1]
+    # Past the overload the pool admits again.
+    assert requests.post(gw.base_url + "/v1/chat/completions", timeout=60, headers=org.headers,
+                         json=SMALL).status_code == 200
+
