@@ -132,18 +132,10 @@ def test_0006_takes_client_cancellations_out_of_the_rollups_errors_and_back(empt
     0006 (docs/ACTIVITY.md, "What a row counts"), and 2 again after its downgrade."""
     url, engine = empty_db
     kiln(url, "db", "upgrade", "0005")
+    org, key = _org_key_and_events(engine, [
+        (gid, status, "2026-11-30 23:59:59+00", 0) for gid, status in (
+            ("gen-1", "completed"), ("gen-2", "client_cancelled"), ("gen-3", "upstream_error"))])
     with engine.begin() as conn:
-        conn.execute(sa.text("INSERT INTO orgs (name) VALUES ('acme')"))
-        org = conn.execute(sa.text("SELECT id FROM orgs")).scalar_one()
-        conn.execute(sa.text("INSERT INTO api_keys (org_id, prefix, key_hash) VALUES "
-                             "(:o, 'kiln-abc', 'h')"), {"o": org})
-        key = conn.execute(sa.text("SELECT id FROM api_keys")).scalar_one()
-        for gid, status in (("gen-1", "completed"), ("gen-2", "client_cancelled"),
-                            ("gen-3", "upstream_error")):
-            conn.execute(sa.text(
-                "INSERT INTO usage_events (id, org_id, api_key_id, model, stream, status, "
-                "started_at) VALUES (:g, :o, :k, 'm', false, :s, '2026-11-30 23:59:59+00')"),
-                {"g": gid, "o": org, "k": key, "s": status})
         conn.execute(sa.text("INSERT INTO usage_daily (org_id, day, model, api_key_id, "
                              "requests, errors) VALUES (:o, '2026-11-30', 'm', :k, 3, 2)"),
                      {"o": org, "k": key})
