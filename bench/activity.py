@@ -3,7 +3,7 @@
 Makes a scratch Postgres database (migrated by the project's alembic migrations), generates the
 events with one ``generate_series`` statement (20 orgs, 5 keys each, 4 models, 90 UTC days, 2%
 failed), builds the daily rollup from them as settlement would have (``usage_daily``), then
-shows ``EXPLAIN (ANALYZE, BUFFERS)`` of the query the endpoint runs (:func:`gateway.activity.
+shows ``EXPLAIN (ANALYZE, BUFFERS)`` of the query the endpoint runs (:func:`gateway.api.activity.
 activity_query`) and its median time, beside the same grouping computed from the events
 themselves, for scale. The database is dropped at the end.
 
@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from gateway.activity import DAYS, activity_query, org_activity  # noqa: E402
+from gateway.api.activity import DAYS, activity_query, org_activity  # noqa: E402
 from gateway.db import utcnow  # noqa: E402
 from gateway_proc import create_database, drop_database, migrate  # noqa: E402
 
@@ -119,7 +119,7 @@ def report(engine, events, runs):
           f"(generated in {seconds:.1f} s)")
     print(f"org 1, {first} to {today}: {len(rows)} rows of (day, model, key), "
           f"{sum(r['requests'] for r in rows):,} requests")
-    print("\n## GET /v1/activity: the rollup (gateway.activity.activity_query)\n")
+    print("\n## GET /v1/activity: the rollup (gateway.api.activity.activity_query)\n")
     print(explain(engine, activity_query(1, first, today)))
     query = activity_query(1, first, today)
 

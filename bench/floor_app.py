@@ -4,7 +4,8 @@ A Flask app under gunicorn's gevent worker that parses the JSON body and sends i
 ``requests.Session`` to the upstream, then relays the answer: JSON as a whole, a stream as the
 upstream's bytes arrive. No authentication, no validation, no metering: whatever Kiln adds on
 top of this is Kiln's own cost (the benchmark keeps this floor as a target beside direct access and
-LiteLLM). The session gets the two settings Kiln's also has (``gateway/upstream.py``): no proxy
+LiteLLM). The session gets the two settings Kiln's also has (``gateway/backends/upstream.py``): no
+proxy
 lookup from the environment, and a connection pool large enough for the benchmark's
 concurrency, so that the floor is not slowed by what any relay would configure.
 

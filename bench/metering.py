@@ -144,8 +144,8 @@ def create_database(name):
     import sqlalchemy as sa
     from alembic import command
 
-    from gateway import auth
-    from gateway.cli_db import alembic_config
+    from gateway.api import auth
+    from gateway.ops.cli_db import alembic_config
 
     admin = sa.create_engine(PG_SERVER + "/postgres", isolation_level="AUTOCOMMIT")
     with admin.connect() as conn:

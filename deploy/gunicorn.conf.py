@@ -29,7 +29,7 @@ graceful_timeout = int(os.environ.get("KILN_GRACEFUL_TIMEOUT", "120"))
 # stopping worker (stop, reload, max_requests) waits for its idle connections until this expires.
 # It is also the header timeout: the gevent worker reads each request's head (the first one
 # included), and the unread rest of a refused body, within it, else closes the connection. The
-# body itself must arrive within KILN_BODY_TIMEOUT_S (gateway/intake.py; 408 after it).
+# body itself must arrive within KILN_BODY_TIMEOUT_S (gateway/api/intake.py; 408 after it).
 keepalive = 5
 # Recycle workers now and then (memory hygiene); jitter keeps them from restarting together.
 max_requests = int(os.environ.get("KILN_MAX_REQUESTS", "50000"))
@@ -132,7 +132,7 @@ def _end_generations_before_the_kill(worker):
     master's kill at the timeout would leave them to the sweeper with the progress last recorded."""
     import gevent
 
-    from gateway.ops import end_generations, shutdown_deadline_s
+    from gateway.ops.lifecycle import end_generations, shutdown_deadline_s
     while worker.alive:
         gevent.sleep(0.25)
     gevent.sleep(shutdown_deadline_s(worker.cfg.graceful_timeout))
@@ -142,5 +142,5 @@ def _end_generations_before_the_kill(worker):
 def worker_exit(server, worker):
     """Commit this worker's queued settlements before it exits (stop, reload, max_requests):
     a graceful stop loses no bill. Runs in the worker, after its last request."""
-    from gateway.ops import drain
+    from gateway.ops.lifecycle import drain
     drain(worker.wsgi)

@@ -12,9 +12,11 @@ def create_app(config=None):
     :param config: a :class:`Config`, a mapping of Config field names, or None for the
         ``KILN_*`` environment.
     """
-    from . import (account, activity, auth, body_process, catalog, chat, cors, fleet, health,
-                   intake, metrics, openapi, ops, upstream)
-    from .completions import Services
+    from .api import account, activity, auth, body_process, chat, cors, intake, openapi
+    from .contract import catalog
+    from .backends import fleet, health, upstream
+    from .ops import metrics, lifecycle as ops
+    from .flow.generation import Services
     from .db import create_engine
     from .errors import register_error_handlers
     from .ledger import Ledger, NullLedger

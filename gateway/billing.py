@@ -14,7 +14,7 @@ MAX_TOKENS_COUNT = 2 ** 31 - 1  # the token columns are 32-bit; no real generati
 @dataclass(frozen=True)
 class Usage:
     """Token counts of one generation. ``completion`` includes reasoning tokens; ``estimated``
-    marks counts that Kiln made itself (:mod:`gateway.metering`)."""
+    marks counts that Kiln made itself (:mod:`gateway.flow.metering`)."""
 
     prompt: int = 0
     cached: int = 0
@@ -25,7 +25,7 @@ class Usage:
     def from_openai(cls, usage, estimated=False):
         """Read an OpenAI ``usage`` object taking only well-formed counts; others are 0.
 
-        For billing a backend's report, use :func:`gateway.metering.reconcile_usage`, which
+        For billing a backend's report, use :func:`gateway.flow.metering.reconcile_usage`, which
         replaces a malformed count by Kiln's own instead of 0.
         """
         usage = usage if isinstance(usage, dict) else {}
@@ -73,7 +73,7 @@ def cost_nanos(usage, pricing):
     integer arithmetic: ``(Σ tokens × price + 500,000) // 1,000,000``.
 
     :param usage: :class:`Usage`.
-    :param pricing: :class:`gateway.catalog.Pricing`.
+    :param pricing: :class:`gateway.contract.catalog.Pricing`.
     :returns: int nano-dollars, never negative.
     """
     prompt = max(usage.prompt, 0)
@@ -109,7 +109,7 @@ def hold_nanos(pricing, prompt_bound, completion_cap):
     """Return the hold in nano-dollars: the cost of the request's worst case.
 
     :param prompt_bound: tokens the prompt can have at most
-        (:func:`gateway.metering.prompt_bound`).
+        (:func:`gateway.flow.metering.prompt_bound`).
     :param completion_cap: completion tokens Kiln lets the generation produce, all choices
         together (``max_tokens × n``); the relay stops the backend there.
     """

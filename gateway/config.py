@@ -23,7 +23,8 @@ class Config:
     upstream_read_timeout_s: float = 300.0
     upstream_pool_size: int = 256
     key_cache_ttl_s: float = 10.0
-    # Each worker writes a key's last_used_at at most once per this many seconds (gateway/auth.py).
+    # Each worker writes a key's last_used_at at most once per this many seconds
+    # (gateway/api/auth.py).
     key_last_used_interval_s: float = 60.0
     maintenance_poll_s: float = 2.0
     sweep_interval_s: float = 15.0
@@ -64,7 +65,8 @@ class Config:
     probe_timeout_s: float = 2.0
     backend_wait_s: float = 5.0
     slot_dir: str = ""
-    # Bounded work before admission (gateway/intake.py, gateway/auth.py): the longest a request
+    # Bounded work before admission (gateway/api/intake.py, gateway/api/auth.py): the longest a
+    # request
     # body may take to arrive (408); the bytes of large bodies one worker reads and parses at
     # once, and the longest wait for a share of them (then 503 with Retry-After); how long an
     # unknown key is remembered as unknown (no database query for it meanwhile).

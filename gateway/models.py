@@ -7,7 +7,7 @@ SQL, and its trigger converts. Invariant per org at a quiet moment:
 """
 import sqlalchemy as sa
 
-from .outcomes import Status
+from .endings import Status
 
 metadata = sa.MetaData(naming_convention={
     "ix": "ix_%(column_0_label)s",
@@ -89,7 +89,7 @@ usage_events = sa.Table(
     sa.Column("model", sa.String(200), nullable=False),
     sa.Column("backend", sa.String(500), nullable=True),
     sa.Column("stream", sa.Boolean, nullable=False),
-    # pending until settled; then how it ended (gateway.outcomes.Status).
+    # pending until settled; then how it ended (gateway.flow.outcomes.Status).
     sa.Column("status", sa.String(24), nullable=False, server_default=Status.PENDING.value),
     sa.Column("prompt_tokens", sa.Integer, nullable=False, server_default="0"),
     sa.Column("cached_tokens", sa.Integer, nullable=False, server_default="0"),
@@ -102,7 +102,7 @@ usage_events = sa.Table(
     sa.Column("first_token_at", TS, nullable=True),
     sa.Column("ended_at", TS, nullable=True),
     sa.Column("error", sa.Text, nullable=True),
-    # The outcome's code (gateway.outcomes), every backend tried (JSON array of URLs), and
+    # The outcome's code (gateway.flow.outcomes), every backend tried (JSON array of URLs), and
     # whether the backend reported more than Kiln held for.
     sa.Column("error_code", sa.String(64), nullable=True),
     sa.Column("attempts", sa.Text, nullable=True),

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import sqlalchemy as sa
 
-from gateway.catalog import Backend, ModelEntry, Pricing
+from gateway.contract.catalog import Backend, ModelEntry, Pricing
 from gateway_proc import make_org, migrate
 
 MESSAGES = [{"role": "user", "content": "Say hello"}]

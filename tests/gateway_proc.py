@@ -107,7 +107,7 @@ def migrate(url):
     """Build the schema with the project's alembic migrations."""
     from alembic import command
 
-    from gateway.cli_db import alembic_config
+    from gateway.ops.cli_db import alembic_config
     command.upgrade(alembic_config(url), "head")
 
 
@@ -126,7 +126,7 @@ class Org:
 
 def make_org(engine, name, usd="10", limit=None):
     """Create org ``name`` with ``usd`` credits (a SQL grant) and one key."""
-    from gateway import auth
+    from gateway.api import auth
     from gateway.models import orgs
     with engine.begin() as conn:
         org_id = conn.execute(orgs.insert().values(name=name, in_flight_limit=limit)

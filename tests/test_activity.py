@@ -12,7 +12,8 @@ import requests
 import sqlalchemy as sa
 
 from fake_upstream import Hang, Status, chat_completion, error_reply, json_reply, make_usage
-from gateway import auth, create_app
+from gateway.api import auth
+from gateway import create_app
 from gateway.models import orgs, usage_daily
 from gateway_proc import balance_nanos, make_org, migrate, wait_until
 

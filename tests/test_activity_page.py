@@ -18,7 +18,7 @@ import pytest
 import sqlalchemy as sa
 
 from conftest import gateway_env
-from gateway import auth
+from gateway.api import auth
 from gateway.models import usage_events
 from gateway_proc import Gateway, create_database, drop_database, make_org, migrate
 

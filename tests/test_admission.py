@@ -499,7 +499,7 @@ def test_a_relay_whose_lease_was_swept_stops_relaying(start_gateway, fake, engin
         ledger.store.engine.dispose()
     rest = [line for line in lines if line.startswith(b"data: ")]  # ends within a renewal
     assert b"[DONE]" not in b"".join(rest)
-    assert json.loads(rest[-1][6:])["error"]["code"] == "lease_lost"
+    assert json.loads(rest[-1][6:])["error"]["code"] == "lease_expired"
     wait_until(lambda: fake.requests[-1].closed_at is not None)
     quiet(engine, org.id)
     event = usage_event(engine, gid)

@@ -97,8 +97,8 @@ def test_an_integer_too_long_for_python_is_a_400_that_names_no_internals(kiln, o
 def test_escaped_surrogate_pairs_are_text_and_are_forwarded_as_utf8():
     """Clients with ``ensure_ascii`` (Python's json) send an emoji as ``\\ud83d\\ude00``: a
     pair, so valid text, unlike the lone surrogates the contract table refuses."""
-    from gateway.upstream import encode_body
-    from gateway.json_body import parse_json_body
+    from gateway.backends.upstream import encode_body
+    from gateway.contract.json_body import parse_json_body
     raw = json.dumps({"messages": [{"role": "user", "content": "hi \U0001F600"}]}).encode()
     assert b"\\ud83d\\ude00" in raw
     body = parse_json_body(raw, "application/json", 10**6)
@@ -111,17 +111,17 @@ def test_an_expired_key_is_looked_up_once_however_many_requests_use_it(tmp_path,
     answer: one database query, not one per request (a burst on one key at each expiry)."""
     import gevent
 
-    import gateway.auth
+    import gateway.api.auth
     app, engine = factories.sqlite_app(tmp_path, CATALOG.format(url=factories.UNREACHABLE_BACKEND),
                                        key_cache_ttl_s=1.0)
     org = factories.org(engine)
-    real, lookups = gateway.auth.lookup, []
+    real, lookups = gateway.api.auth.lookup, []
 
     def slow_lookup(*args):
         lookups.append(args)
         gevent.sleep(0.1)  # a database round trip, during which the others arrive
         return real(*args)
-    monkeypatch.setattr(gateway.auth, "lookup", slow_lookup)
+    monkeypatch.setattr(gateway.api.auth, "lookup", slow_lookup)
 
     def credits():
         return app.test_client().get("/v1/credits", headers=org.headers).status_code
@@ -144,17 +144,17 @@ def test_a_worker_tries_to_write_last_used_once_per_key_per_interval(tmp_path, m
     request is still answered."""
     import gevent
 
-    import gateway.auth
+    import gateway.api.auth
     app, engine = factories.sqlite_app(tmp_path, CATALOG.format(url=factories.UNREACHABLE_BACKEND),
                                        key_last_used_interval_s=60)
     org = factories.org(engine)
-    real, touches, broken = gateway.auth.touch_last_used, [], sa.create_engine(
+    real, touches, broken = gateway.api.auth.touch_last_used, [], sa.create_engine(
         f"sqlite:///{tmp_path}/missing/kiln.db")
 
     def touch(db, key_id, interval_s):
         touches.append(key_id)
         return real(broken if len(touches) > 1 else db, key_id, interval_s)
-    monkeypatch.setattr(gateway.auth, "touch_last_used", touch)
+    monkeypatch.setattr(gateway.api.auth, "touch_last_used", touch)
     client = app.test_client()
     paths = ["/v1/credits", "/v1/key", "/v1/generation?id=gen-none"] * 7
     assert {client.get(p, headers=org.headers).status_code for p in paths[:20]} == {200, 404}

@@ -19,7 +19,7 @@ import requests
 
 from fake_upstream import (Send, Sleep, Status, chat_chunk, chat_completion, make_usage,
                            sse, sse_event)
-from gateway.sse import EventSplitter
+from gateway.backends.sse import EventSplitter
 from gateway_proc import balance_nanos, wait_until
 from test_streaming import (GRANT, MESSAGES, RawStream, assert_books_balance, data_events,
                             org_events, settled, stream_body)

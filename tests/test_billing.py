@@ -4,9 +4,9 @@ from decimal import Decimal
 import pytest
 
 from gateway.billing import Usage, cost_usd, from_nanos, hold_nanos, to_nanos
-from gateway.metering import Meter, estimate_completion, prompt_bound
+from gateway.flow.metering import Meter, estimate_completion, prompt_bound
 from factories import pricing
-from gateway.catalog import Pricing
+from gateway.contract.catalog import Pricing
 
 pytestmark = pytest.mark.unit
 
@@ -67,7 +67,7 @@ def test_hold_of_a_request_with_images_assumes_the_whole_window():
     assert prompt_bound(4096, 10, 1, True) == 4096
 
 
-# -- Kiln's own completion count (gateway/metering.py) ----------------------------------------
+# -- Kiln's own completion count (gateway/flow/metering.py) ----------------------------------------
 
 def _delta(text):
     return {"choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}]}

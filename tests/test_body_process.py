@@ -1,4 +1,4 @@
-"""Large bodies are parsed and checked in the worker's child process (gateway/body_process.py).
+"""Large bodies are parsed and checked in the worker's child process (gateway/api/body_process.py).
 
 In process, with Flask's test client on a Kiln over SQLite: every row of the contract table,
 padded with JSON whitespace past the inline threshold, gets through the child exactly the
@@ -14,8 +14,8 @@ import pytest
 
 import factories
 from conftest import CATALOG
-from gateway import intake
-from gateway.body_process import BodyProcess
+from gateway.api import intake
+from gateway.api.body_process import BodyProcess
 from gateway.errors import InvalidRequest, ServiceUnavailable
 from test_app_contract import START_NANOS, trace
 from test_validation import REJECTED
@@ -74,9 +74,9 @@ def test_a_valid_large_body_is_served_as_parsed_by_the_child(kiln):
 def test_the_worker_never_parses_a_large_body_the_child_refuses(kiln, org, monkeypatch):
     app, _ = kiln
     parsed = []
-    import gateway.chat
-    real = gateway.chat.parse_json_body
-    monkeypatch.setattr(gateway.chat, "parse_json_body",
+    import gateway.api.chat
+    real = gateway.api.chat.parse_json_body
+    monkeypatch.setattr(gateway.api.chat, "parse_json_body",
                         lambda raw, *args: parsed.append(len(raw)) or real(raw, *args))
     many = {"model": "fake-vision",
             "messages": [{"role": "user", "content": "x"}] * (32768 + 1)}

@@ -131,7 +131,7 @@ def test_missing_and_unknown_key_are_401(gateway, fake):
 
 
 def test_revoked_key_and_suspended_org_are_403(gateway, fake, engine):
-    from gateway.auth import PREFIX_LEN, revoke_key
+    from gateway.api.auth import PREFIX_LEN, revoke_key
     url = gateway.base_url + "/v1/chat/completions"
     body = {"model": "fake-model", "messages": MESSAGES}
     revoked = make_org(engine, "revoked-" + str(id(body)))
@@ -243,7 +243,7 @@ def test_non_stream_reply_failing_mid_body_is_502_and_recorded(start_gateway, fa
 
 
 def test_key_allow_list_refuses_other_models_with_403(gateway, fake, engine):
-    from gateway import auth
+    from gateway.api import auth
     org = make_org(engine, "allow-" + uuid.uuid4().hex[:8])
     with engine.begin() as conn:
         key = auth.create_key(conn, org.id, allowed_models=["fake-vision"])

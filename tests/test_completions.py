@@ -5,12 +5,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from gateway import answers
-from gateway.answers import Head
-from gateway.completions import _life
+from gateway.flow import answers
+from gateway.flow.answers import Head
+from gateway.flow.generation import _life
 from gateway.errors import UpstreamError, UpstreamRejected
-from gateway.outcomes import Status
-from gateway.relay import ClientGone, StreamFailed
+from gateway.endings import Status
+from gateway.backends.relay import ClientGone, StreamFailed
 
 pytestmark = pytest.mark.unit
 

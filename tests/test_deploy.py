@@ -626,14 +626,17 @@ def test_env_example_documents_every_setting():
 
 
 @pytest.mark.unit
-def test_the_readmes_layout_names_every_module_of_the_package():
-    """README "Layout" names each module of ``gateway/`` (``ledger/x`` for the ledger's), and
-    no module that does not exist."""
+def test_the_readmes_layout_names_every_package_and_shared_module():
+    """README "Layout" names each package of ``gateway/`` (``api/``, ...) and each module left
+    at its top, and nothing that does not exist."""
     readme = (ROOT / "README.md").read_text()
     layout = readme.split("## Layout", 1)[1].split("\n## ", 1)[0]
     package = ROOT / "gateway"
+    packages = {f"{p.parent.name}/" for p in package.glob("*/__init__.py")}
     modules = {p.stem for p in package.glob("*.py")}
-    modules |= {f"ledger/{p.stem}" for p in (package / "ledger").glob("*.py")} - {"ledger/__init__"}
-    named = set(re.findall(r"`((?:ledger/)?[a-z_]+)`", layout))
+    named = set(re.findall(r"`([a-z_]+/?)`", layout))
+    assert packages - named == set()
     assert modules - named == set()
-    assert {n for n in named if n.startswith("ledger/")} <= modules
+    elsewhere = {"gateway/", "tests/", "unit/", "functional/", "migrations/", "deploy/", "bench/",
+                 "scripts/"}
+    assert {n for n in named if n.endswith("/") and n not in elsewhere} <= packages

@@ -193,7 +193,7 @@ def test_make_run_smoke_path_on_sqlite(llama_catalog, tmp_path):
     """The embedded default: SQLite file, `kiln` CLI as `make run` uses it, a real answer."""
     url = f"sqlite:///{tmp_path}/kiln.db"
     env = {"KILN_DATABASE_URL": url, "KILN_MODELS": str(llama_catalog)}
-    kiln = [sys.executable, "-m", "gateway.cli"]
+    kiln = [sys.executable, "-m", "gateway.ops.cli"]
 
     def run(*args):
         return subprocess.run(kiln + list(args), env={**_env(), **env}, check=True,

@@ -10,7 +10,8 @@ from flask import Flask
 from sqlalchemy import exc as sa_exc
 
 from gateway.errors import InvalidRequest, UpstreamError, register_error_handlers
-from gateway.outcomes import Outcome, Status, error_event
+from gateway.endings import Status
+from gateway.flow.outcomes import Outcome, error_event
 
 pytestmark = pytest.mark.unit
 

@@ -18,7 +18,7 @@ import sqlalchemy as sa
 from fake_upstream import FakeUpstream, Hang, Reset, Send, Status, chat_chunk, \
     default_script, error_reply, sse, sse_event
 from gateway.billing import Usage, cost_usd, to_nanos
-from gateway.catalog import Pricing
+from gateway.contract.catalog import Pricing
 from gateway.errors import UpstreamTimeout
 from gateway_proc import balance_nanos, free_port, make_org, usage_event, wait_until
 
@@ -350,11 +350,11 @@ def full_backlog():
 
 
 def test_a_connect_timeout_names_itself_and_is_retried_elsewhere(full_backlog, fake, tmp_path):
-    from gateway import upstream
-    from gateway.catalog import Backend
+    from gateway.backends import upstream
+    from gateway.contract.catalog import Backend
     from gateway.config import Config
-    from gateway.fleet import Route
-    from gateway.metrics import Metrics
+    from gateway.backends.fleet import Route
+    from gateway.ops.metrics import Metrics
     services = SimpleNamespace(config=Config.from_mapping({"slot_dir": str(tmp_path)}),
                                metrics=Metrics())
     silent, alive = Backend(url=full_backlog, model="m"), Backend(url=fake.base_url, model="m")

@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from fake_upstream import default_script
-from gateway.reconcile import reconcile
+from gateway.ledger.reconcile import reconcile
 from gateway_proc import balance_nanos, make_org, wait_until
 
 pytestmark = pytest.mark.postgres

@@ -1,4 +1,4 @@
-"""The circuit breaker and the active probe of gateway/health.py, in-process
+"""The circuit breaker and the active probe of gateway/backends/health.py, in-process
 (docs/ROUTING.md, "Health"). Through gunicorn: tests/test_fleet.py."""
 import socket
 import threading
@@ -9,8 +9,8 @@ import pytest
 import requests
 
 from factories import UNREACHABLE_BACKEND
-from gateway.catalog import Backend
-from gateway.health import Breaker, BreakerPolicy, probe
+from gateway.contract.catalog import Backend
+from gateway.backends.health import Breaker, BreakerPolicy, probe
 
 
 # -- circuit breaker -----------------------------------------------------------------------
@@ -45,7 +45,8 @@ def test_a_refused_connection_opens_at_once():
 
 def test_a_probe_that_cannot_connect_takes_the_backend_out_and_says_so(caplog):
     backend = Backend(url=UNREACHABLE_BACKEND, model="m")
-    with caplog.at_level("WARNING", logger="gateway.health"), requests.Session() as session:
+    with caplog.at_level("WARNING", logger="gateway.backends.health"), \
+            requests.Session() as session:
         assert probe(session, backend, "/models", 5, BreakerPolicy(cooldown_s=5)) == "down"
     assert not backend.state.breaker.is_up(time.monotonic())
     assert f"backend {UNREACHABLE_BACKEND} out of rotation for 5 s: probe could not connect " \
@@ -74,7 +75,8 @@ def test_a_probe_on_a_connection_the_server_dropped_tries_a_new_one(caplog):
         second.close()
     threading.Thread(target=serve, daemon=True).start()
     backend = Backend(url=f"http://127.0.0.1:{listener.getsockname()[1]}/v1", model="m")
-    with caplog.at_level("WARNING", logger="gateway.health"), requests.Session() as session:
+    with caplog.at_level("WARNING", logger="gateway.backends.health"), \
+            requests.Session() as session:
         assert probe(session, backend, "/models", 5, BreakerPolicy()) == "up"
         assert probe(session, backend, "/models", 5, BreakerPolicy()) == "up"
     assert backend.state.breaker.is_up(time.monotonic()) and "out of rotation" not in caplog.text

@@ -1,4 +1,5 @@
-"""The catalog's per-model ``image_sources`` (``gateway/images.py``, docs/PARAMETERS.md): what a
+"""The catalog's per-model ``image_sources`` (``gateway/contract/images.py``, docs/PARAMETERS.md):
+what a
 model set to ``["data"]``, ``["https", "private"]`` or ``["data", "http"]`` forwards and refuses,
 through gunicorn with the official SDK and the scripted fake upstream; the catalog refusing a bad
 value; host names judged by what they resolve to; IPv6 forms that carry an IPv4 address."""
@@ -10,8 +11,8 @@ import openai
 import pytest
 
 from conftest import gateway_env
-from gateway import images
-from gateway.catalog import CatalogError, load_catalog
+from gateway.contract import images
+from gateway.contract.catalog import CatalogError, load_catalog
 from gateway.errors import InvalidRequest
 from gateway_proc import Gateway, make_org
 from test_validation import assert_no_trace

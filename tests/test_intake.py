@@ -17,7 +17,7 @@ import requests
 import sqlalchemy as sa
 
 import nginx_proc
-from gateway.auth import hash_key
+from gateway.api.auth import hash_key
 from factories import concurrently
 from gateway_proc import ROOT, balance_nanos, make_org, wait_until
 

@@ -22,10 +22,10 @@ import sqlalchemy as sa
 from factories import concurrently
 from fake_upstream import Gate, Hang, Status, chat_chunk, make_usage, sse
 from gateway.billing import Usage, hold_nanos
-from gateway.catalog import load_catalog
+from gateway.contract.catalog import load_catalog
 from gateway.ledger import AdmissionRequest, KeyLimitExceeded, Ledger, Settlement
 from gateway.ledger.sqlite import period_start
-from gateway.metering import prompt_bound
+from gateway.flow.metering import prompt_bound
 from gateway_proc import make_org, wait_until
 
 pytestmark = pytest.mark.postgres

@@ -285,7 +285,7 @@ def test_last_used_moves_once_the_interval_has_passed(start_gateway, fake, engin
 def test_an_orgs_keys_are_listed_without_secrets_and_only_to_that_org(gateway, engine):
     org = make_org(engine, f"keys-{uuid.uuid4().hex[:8]}")
     other = make_org(engine, f"other-{uuid.uuid4().hex[:8]}")
-    from gateway import auth
+    from gateway.api import auth
     with engine.begin() as conn:
         second = auth.create_key(conn, org.id, name="ci-bot", limit_usd=Decimal("3"),
                                  limit_reset="weekly")

@@ -284,7 +284,7 @@ def ledger_db(request, pg_url, tmp_path):
 
 class _Entry:  # the catalog entry's prices the sweeper bills with (USD per 1M tokens)
     def __init__(self, prices):
-        from gateway.catalog import Pricing
+        from gateway.contract.catalog import Pricing
         self.pricing = Pricing(*map(Decimal, prices))
 
 

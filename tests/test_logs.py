@@ -14,7 +14,7 @@ import requests
 
 from conftest import gateway_env
 from fake_upstream import Hang, Status, chat_chunk, error_reply, json_reply, sse
-from gateway.auth import PREFIX_LEN
+from gateway.api.auth import PREFIX_LEN
 from gateway_proc import ROOT, Gateway, make_org, wait_until
 
 pytestmark = pytest.mark.postgres

@@ -53,7 +53,7 @@ def statuses(gateway, org, n=12, body=BODY):
 def maintenance_switch(pg_url, engine, gateway, org):
     """Yield the ``kiln maintenance`` runner; leave maintenance off and every worker serving."""
     yield lambda *args: kiln(pg_url, "maintenance", *args)
-    from gateway.ops import set_maintenance
+    from gateway.ops.lifecycle import set_maintenance
     set_maintenance(engine, False)
     off = time.monotonic()
     wait_until(lambda: statuses(gateway, org, n=4) == [200] * 4, timeout_s=20, interval_s=0.2)

@@ -27,12 +27,12 @@ from openai.types.chat.completion_create_params import Function
 from openai.types.shared_params import FunctionDefinition
 
 from factories import model_entry
-from gateway import tools
+from gateway.contract import tools
 from gateway.errors import InvalidRequest
-from gateway.families import FAMILIES, SENT_KEYS, SENT_PART_KEYS
-from gateway.parameters import upstream_body
-from gateway.tools import CALL_KEYS, FUNCTION_CALL_KEYS
-from gateway.validation import MESSAGE_KEYS, PART_KEYS, PART_VALUE_KEYS, validate_chat
+from gateway.contract.families import FAMILIES, SENT_KEYS, SENT_PART_KEYS
+from gateway.contract.parameters import upstream_body
+from gateway.contract.tools import CALL_KEYS, FUNCTION_CALL_KEYS
+from gateway.contract.validation import MESSAGE_KEYS, PART_KEYS, PART_VALUE_KEYS, validate_chat
 
 pytestmark = pytest.mark.unit
 

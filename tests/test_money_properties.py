@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 
 from gateway.billing import (MAX_TOKENS_COUNT, Usage, cost_nanos, cost_usd, from_nanos,
                              hold_nanos, to_nanos)
-from gateway.catalog import CatalogError, load_catalog
-from gateway.metering import prompt_bound
+from gateway.contract.catalog import CatalogError, load_catalog
+from gateway.flow.metering import prompt_bound
 from factories import pricing
 
 pytestmark = pytest.mark.unit

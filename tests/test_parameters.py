@@ -10,8 +10,8 @@ from openai.types.chat.completion_create_params import (CompletionCreateParamsBa
 
 from factories import model_entry
 from gateway.errors import InvalidRequest, UnsupportedParameter
-from gateway.parameters import PARAMETERS, upstream_body
-from gateway.validation import validate_chat
+from gateway.contract.parameters import PARAMETERS, upstream_body
+from gateway.contract.validation import validate_chat
 
 pytestmark = pytest.mark.unit
 

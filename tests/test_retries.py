@@ -1,4 +1,4 @@
-"""Retries before the first byte (gateway/fleet.py, :meth:`Route.open`), in-process:
+"""Retries before the first byte (gateway/backends/fleet.py, :meth:`Route.open`), in-process:
 the budget, the deadline and the timeouts it cuts, the jittered backoff, 429s
 (docs/ROUTING.md, "Retries"). Through gunicorn: tests/test_fleet.py."""
 import time
@@ -6,11 +6,11 @@ import time
 import pytest
 
 from fake_upstream import FakeUpstream, error_reply
-from gateway import fleet, upstream
-from gateway.catalog import Backend
+from gateway.backends import fleet, upstream
+from gateway.contract.catalog import Backend
 from gateway.errors import ServiceUnavailable, UpstreamError, UpstreamRejected, UpstreamTimeout
-from gateway.fleet import Route
-from gateway.upstream import FIRST_BYTE_TIMEOUT, UNREACHABLE
+from gateway.backends.fleet import Route
+from gateway.endings import FIRST_BYTE_TIMEOUT, UNREACHABLE
 from test_routing import TIMEOUTS, URLS, backends, entry, services
 
 pytestmark = pytest.mark.unit

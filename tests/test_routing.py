@@ -10,13 +10,14 @@ from types import SimpleNamespace
 import pytest
 from click.testing import CliRunner
 
-from gateway import cli, routing
-from gateway.capacity import HostLoad, Slots
-from gateway.catalog import Backend, CatalogError, load_catalog
+from gateway.ops import cli
+from gateway.backends import routing
+from gateway.backends.capacity import HostLoad, Slots
+from gateway.contract.catalog import Backend, CatalogError, load_catalog
 from gateway.config import Config
 from gateway.errors import ServiceUnavailable
-from gateway.fleet import Route
-from gateway.metrics import Metrics
+from gateway.backends.fleet import Route
+from gateway.ops.metrics import Metrics
 
 URLS = ("http://a:1/v1", "http://b:1/v1", "http://c:1/v1")
 TIMEOUTS = (5.0, 30.0)  # a try's (connect, first byte) seconds
@@ -140,7 +141,7 @@ def test_slots_cap_a_backend_across_processes(tmp_path):
     other = Slots(tmp_path, URLS[1], 1)
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import sys
-        from gateway.capacity import HostLoad, Slots
+        from gateway.backends.capacity import HostLoad, Slots
         slots = Slots({str(tmp_path)!r}, {URLS[1]!r}, 1)
         print(slots.try_take(), flush=True)
         sys.stdin.read()
@@ -160,7 +161,7 @@ def test_host_load_sums_every_worker_and_forgets_a_dead_one(tmp_path):
     here.add(URLS[0], 2)
     worker = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import sys
-        from gateway.capacity import HostLoad
+        from gateway.backends.capacity import HostLoad
         load = HostLoad({str(tmp_path)!r})
         load.add({URLS[0]!r}, 3)
         print(load.cell, load.total({URLS[0]!r}), flush=True)
@@ -175,7 +176,7 @@ def test_host_load_sums_every_worker_and_forgets_a_dead_one(tmp_path):
         worker.communicate()
     assert here.total(URLS[0]) == 5  # the dead worker's count stays until its cell is taken
     successor = subprocess.run([sys.executable, "-c", textwrap.dedent(f"""
-        from gateway.capacity import HostLoad
+        from gateway.backends.capacity import HostLoad
         load = HostLoad({str(tmp_path)!r})
         print(load.cell, load.total({URLS[0]!r}))
         """)], capture_output=True, text=True, check=True)
@@ -253,7 +254,7 @@ def test_kiln_catalog_check(tmp_path):
 
 
 def test_a_server_named_by_two_models_has_one_cap(tmp_path):
-    from gateway.fleet import prepare
+    from gateway.backends.fleet import prepare
     shared = [Backend(url=URLS[0], model="a", max_in_flight=2),
               Backend(url=URLS[0], model="b", max_in_flight=1), Backend(url=URLS[1], model="c")]
     catalog = {"a": entry(shared[:1]), "b": entry(shared[1:2]), "c": entry(shared[2:])}

@@ -6,9 +6,9 @@ from decimal import Decimal
 
 import pytest
 
-from gateway.metering import Meter
-from gateway.sse import DONE, EventSplitter, StreamRules, frame, member_span, with_cost, \
-    without_member
+from gateway.flow.metering import Meter
+from gateway.backends.sse import (DONE, EventSplitter, StreamRules, frame, member_span, with_cost,
+                                  without_member)
 
 pytestmark = pytest.mark.unit
 

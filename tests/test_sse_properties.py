@@ -1,4 +1,5 @@
-"""Property of the SSE splitter (gateway/sse.py): any split of any valid stream yields the same
+"""Property of the SSE splitter (gateway/backends/sse.py): any split of any valid stream yields the
+same
 events. Streams are drawn from the SSE grammar (WHATWG HTML, "Server-sent events"): events of
 one or more ``data:`` lines (with or without the space after the colon), comment, ``event:``,
 ``id:`` and ``retry:`` lines, any line ending (LF, CRLF, CR, mixed), payloads of any bytes but
@@ -7,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.sse import EventSplitter
+from gateway.backends.sse import EventSplitter
 
 pytestmark = pytest.mark.unit
 NEWLINE = st.sampled_from([b"\n", b"\r\n", b"\r"])

@@ -140,7 +140,7 @@ def test_a_compressed_error_body_is_inflated_only_to_the_bound():
     import requests
     import urllib3
 
-    from gateway import upstream
+    from gateway.backends import upstream
 
     packer = zlib.compressobj(wbits=31)
     chunk = bytes(1 << 20)
@@ -203,7 +203,7 @@ def test_shutdown_of_a_reply_holding_no_socket_still_closes_it():
     import requests
     import urllib3
 
-    from gateway import upstream
+    from gateway.backends import upstream
 
     raw = urllib3.HTTPResponse(body=io.BytesIO(b"data: {}\n\n"), preload_content=False)
     with pytest.raises(ValueError):

@@ -3,7 +3,7 @@
 Admission (hold + lease + pending usage event), renewal of live leases, settlement (exactly
 once per generation), the sweeper, credit grants and reconciliation's reads all live here; the
 dialects' statements are in :mod:`.postgres` and :mod:`.sqlite`. The request flow
-(:mod:`gateway.completions`) calls it; nothing else writes money.
+(:mod:`gateway.flow.generation`) calls it; nothing else writes money.
 
 Invariants, per org (``kiln credits reconcile`` checks them):
 
@@ -43,7 +43,7 @@ from gevent.event import Event
 from ..billing import Usage, cost_nanos, format_usd
 from ..db import is_postgres
 from ..errors import DatabaseBusy, DatabaseUnavailable, InsufficientCredits, RateLimited
-from ..outcomes import Status
+from ..endings import LEASE_EXPIRED, Status
 from .postgres import PostgresStore
 from .sqlite import SqliteStore
 from .worker import Admitter, Renewer, SettlementWriter
@@ -279,7 +279,7 @@ class Ledger:
         return Settlement(gid=row["gid"], org_id=row["org"], key_id=row["key"],
                           model=row["model"], stream=row["stream"], status=Status.ABANDONED.value,
                           usage=usage, cost_nanos=cost, error=ABANDONED_ERROR,
-                          error_code="lease_expired", started_at=row["started_at"],
+                          error_code=LEASE_EXPIRED, started_at=row["started_at"],
                           expired_before=row["cutoff"])
 
 

@@ -5,7 +5,7 @@ import sqlalchemy as sa
 
 from ..models import (api_keys, credit_balances, credit_grants, in_flight, orgs, usage_daily,
                       usage_events)
-from ..outcomes import Status
+from ..endings import Status
 
 GRANT = sa.text("INSERT INTO credit_grants (org_id, amount_usd, note) "
                 "VALUES (:org, CAST(:amount AS NUMERIC(20, 9)), :note)")

@@ -12,7 +12,7 @@ import psycopg
 import sqlalchemy as sa
 
 from ..errors import ServiceUnavailable
-from ..outcomes import Status
+from ..endings import Status
 
 # The usage-event statuses the functions below name, spelled by the one enum of them.
 PENDING, ABANDONED, COMPLETED, CANCELLED = (

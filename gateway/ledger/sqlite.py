@@ -9,7 +9,7 @@ import sqlalchemy as sa
 
 from ..db import utcnow
 from ..models import api_keys, credit_balances, in_flight, usage_daily, usage_events
-from ..outcomes import Status
+from ..endings import Status
 
 NANOS = 10 ** 9
 # Settled statuses that are not errors in the activity rollup (docs/ACTIVITY.md, "What a row

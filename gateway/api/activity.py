@@ -1,0 +1,94 @@
+"""Where the money goes: ``GET /v1/activity`` and the activity page at ``/activity``.
+
+The API serves the daily rollup ``usage_daily`` (one row per org, UTC day, model and key, written
+by settlement in the transaction that settles the events it sums), never the usage events
+themselves: one index range scan of the org's days, however many events there are
+(docs/ACTIVITY.md has the plan and a timing on 1,000,000 events).
+
+The page is a static HTML file with its script and stylesheet (no build step, nothing fetched
+from elsewhere): the user pastes a key, kept in the tab's session storage only, and the script
+calls ``/v1/credits``, ``/v1/keys`` and ``/v1/activity`` with it as the Bearer header.
+"""
+import re
+from datetime import date, timedelta
+from pathlib import Path
+
+import sqlalchemy as sa
+from flask import Blueprint, current_app, g, jsonify, request, send_from_directory
+
+from .auth import require_key
+from ..billing import from_nanos
+from ..db import utcnow
+from ..errors import InvalidRequest
+from ..models import api_keys, usage_daily
+
+STATIC = Path(__file__).with_name("pages")
+DAYS = 30
+# The page loads and calls nothing but this origin, and no other site may frame it.
+PAGE_POLICY = "default-src 'self'; frame-ancestors 'none'; base-uri 'none'; form-action 'none'"
+_DATE = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}")
+
+bp = Blueprint("activity", __name__)
+page = Blueprint("activity_page", __name__, static_folder=str(STATIC),
+                 static_url_path="/activity/static")
+
+
+def activity_query(org_id, first, last):
+    """Return the SELECT of the org's rollup rows from day ``first`` to ``last`` (inclusive),
+    with each key's prefix and label, ordered by day, model and key."""
+    d = usage_daily.c
+    return (sa.select(d.day, d.model, api_keys.c.prefix, api_keys.c.name, d.requests, d.errors,
+                      d.prompt_tokens, d.cached_tokens, d.completion_tokens, d.cost_nanos)
+            .join(api_keys, api_keys.c.id == d.api_key_id)
+            .where(d.org_id == org_id, d.day >= first, d.day <= last)
+            .order_by(d.day, d.model, api_keys.c.prefix))
+
+
+def org_activity(engine, org_id, first, last):
+    """Return the rows of :func:`activity_query` as the API shows them (cost as an exact
+    decimal string of USD)."""
+    with engine.connect() as conn:
+        rows = conn.execute(activity_query(org_id, first, last)).all()
+    return [{"date": r.day.isoformat(), "model": r.model, "key_prefix": r.prefix,
+             "key_label": r.name, "requests": r.requests, "errors": r.errors,
+             "prompt_tokens": r.prompt_tokens, "cached_tokens": r.cached_tokens,
+             "completion_tokens": r.completion_tokens,
+             "cost_usd": format(from_nanos(r.cost_nanos), "f")} for r in rows]
+
+
+def requested_days(args, today):
+    """Return ``(first, last)``: the day ``?date=YYYY-MM-DD`` names, or the last 30 UTC days.
+
+    :raises InvalidRequest: ``date`` is not a calendar date written ``YYYY-MM-DD`` (400).
+    """
+    text = args.get("date")
+    if text is None:
+        return today - timedelta(days=DAYS - 1), today
+    try:
+        if not _DATE.fullmatch(text):
+            raise ValueError(text)
+        day = date.fromisoformat(text)
+    except ValueError:
+        raise InvalidRequest(f"Invalid 'date': expected a UTC calendar day as YYYY-MM-DD, got "
+                             f"{text[:40]!r}.", param="date", code="invalid_value") from None
+    return day, day
+
+
+@bp.get("/activity")
+@require_key
+def activity():
+    """Show the caller's org's usage by UTC day, model and key: requests, errors, prompt /
+    cached / completion tokens and cost, for the last 30 days or ``?date=YYYY-MM-DD``."""
+    first, last = requested_days(request.args, utcnow().date())
+    rows = org_activity(current_app.extensions["kiln.engine"], g.principal.org_id, first, last)
+    return jsonify({"object": "activity", "start_date": first.isoformat(),
+                    "end_date": last.isoformat(), "data": rows})
+
+
+@page.get("/activity")
+def activity_page():
+    """Serve the activity page (static; it asks for a key and calls the API with it)."""
+    response = send_from_directory(STATIC, "activity.html")
+    response.headers["Content-Security-Policy"] = PAGE_POLICY
+    response.headers["Referrer-Policy"] = "no-referrer"
+    return response

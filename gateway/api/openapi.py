@@ -1,0 +1,284 @@
+"""The OpenAPI 3.1 description of Kiln's HTTP API, served without a key at ``GET /openapi.json``.
+
+Ranges, enums and limits come from the constants :mod:`gateway.contract.validation` enforces, so the
+document states the rules that run; ``tests/test_openapi.py`` keeps it true by validating real
+requests and responses against it. Schemas use JSON Schema 2020-12, the dialect of OpenAPI 3.1.
+Rules that depend on the model (``max_tokens`` at most its max output, image parts, forced
+``tool_choice``, ``parallel_tool_calls``, ``response_format``, ``ignore_eos`` on gpt-oss) follow
+``GET /v1/models`` and are stated in descriptions.
+"""
+from flask import Blueprint, current_app, jsonify
+
+from ..endings import Status
+from .openapi_request import nullable, ref, request_schemas
+
+bp = Blueprint("openapi", __name__)
+
+DECIMAL_USD = {"type": "string", "pattern": r"^-?[0-9]+(\.[0-9]+)?$",
+               "description": "Exact USD amount as a decimal string."}
+
+# Error ``type`` and the ``code`` values each status can carry (errors.py and README, "API").
+ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
+               402: "insufficient_quota", 403: "permission_error", 404: "invalid_request_error",
+               413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
+               503: "service_unavailable"}
+ERROR_CODES = {
+    400: ["invalid_json", "invalid_content_type", "missing_required_parameter", "invalid_type",
+          "invalid_value", "empty_array", "unsupported_parameter", "upstream_rejected",
+          "incomplete_body", "context_length_exceeded", "unknown_parameter",
+          "invalid_image_url"],
+    401: ["invalid_api_key"],
+    402: ["insufficient_credits", "key_limit_exceeded"],
+    403: ["key_revoked", "org_suspended", "model_not_allowed"],
+    404: ["model_not_found", "not_found"],
+    413: ["request_too_large"],
+    429: ["rate_limit_exceeded"],
+    500: ["internal_error"],
+    503: ["maintenance", "no_backend_available", "backends_at_capacity", "service_unavailable",
+          "database_unavailable", "database_busy"],
+}
+ERROR_WHY = {
+    400: "Invalid request: malformed JSON, a wrong type or range, an empty `messages` "
+         "(`empty_array`), a parameter the model cannot honour (`unsupported_parameter`), or "
+         "the model server rejected it (`upstream_rejected`). Fix the payload; do not retry.",
+    401: "Missing or unknown API key.",
+    402: "The organization's available credits, or the key's spend limit "
+         "(`key_limit_exceeded`), do not cover the request's hold.",
+    403: "Revoked key, suspended organization, or a model outside the key's allow-list.",
+    404: "Not found; for chat completions the model is not in the catalog.",
+    413: "Request body over the size limit; refused from Content-Length before it is read.",
+    429: "The organization has its limit of requests in flight, or the key its requests per "
+         "minute. No rate-limit headers.",
+    500: "Unexpected error inside Kiln.",
+    502: "The model backend returned an error or was unreachable. Plain-text body.",
+    503: "Maintenance mode (with Retry-After), or no model backend available.",
+}
+
+
+@bp.get("/openapi.json")
+def openapi_json():
+    """Serve the OpenAPI 3.1 document (no API key needed)."""
+    return jsonify(build_document(current_app.config["KILN"].max_body_bytes))
+
+
+def build_document(max_body_bytes):
+    """Return the OpenAPI 3.1 document as a dict.
+
+    :param max_body_bytes: the request body limit in force (stated in the 413 description).
+    """
+    from .openapi_keys import key_paths, key_schemas  # it builds on this module's helpers
+    return {
+        "openapi": "3.1.0",
+        "jsonSchemaDialect": "https://json-schema.org/draft/2020-12/schema",
+        "info": {"title": "Kiln gateway API", "version": "1",
+                 "description": "OpenAI-compatible chat completions with prepaid credits. "
+                                "Every error is the OpenAI envelope, except 502 (plain text)."},
+        "paths": {**_paths(max_body_bytes), **key_paths()},
+        "components": {"schemas": {**request_schemas(), **_response_schemas(),
+                                   **_account_schemas(), **key_schemas()},
+                       "securitySchemes": {"apiKey": {"type": "http", "scheme": "bearer"}}},
+        "security": [{"apiKey": []}],
+    }
+
+
+# -- paths ---------------------------------------------------------------------------------------
+
+def _paths(max_body_bytes):
+    chat_errors = _errors(400, 401, 402, 403, 404, 413, 429, 500, 502, 503)
+    chat_errors["413"]["description"] += f" The limit is {max_body_bytes} bytes."
+    return {
+        "/v1/chat/completions": {"post": {
+            "operationId": "createChatCompletion",
+            "summary": "Create a chat completion, metered and billed; JSON or an SSE stream.",
+            "requestBody": {"required": True, "content": {"application/json": {
+                "schema": ref("ChatCompletionRequest")}}},
+            "responses": {"200": _chat_ok(), **chat_errors}}},
+        "/v1/models": {"get": _get("listModels", "List the catalog's public models.",
+                                   "ModelList", _errors(401, 403))},
+        "/v1/credits": {"get": _get("getCredits", "Show the organization's credits.",
+                                    "Credits", _errors(401, 403))},
+        "/v1/generation": {"get": {
+            **_get("getGeneration", "Show one of the organization's usage events.",
+                   "Generation", _errors(400, 401, 403, 404)),
+            "parameters": [{"name": "id", "in": "query", "required": True,
+                            "description": "The X-Neocloud-Generation-Id of a response.",
+                            "schema": {"type": "string"}}]}},
+        "/healthz": {"get": {**_get("healthz", "Liveness: 200 while the process runs.",
+                                    "Health", {}), "security": []}},
+        "/readyz": {"get": {**_get("readyz", "Readiness: database reachable, catalog loaded.",
+                                   "Ready", {"503": _json_response("Not ready.", "Ready")}),
+                            "security": []}},
+        "/openapi.json": {"get": {"operationId": "openapi", "security": [],
+                                  "summary": "This document.",
+                                  "responses": {"200": {"description": "OpenAPI 3.1 document.",
+                                                        "content": {"application/json": {
+                                                            "schema": {"type": "object"}}}}}}},
+    }
+
+
+def _get(operation_id, summary, schema, errors):
+    return {"operationId": operation_id, "summary": summary,
+            "responses": {"200": _json_response("OK.", schema), **errors}}
+
+
+def _json_response(description, schema):
+    return {"description": description,
+            "content": {"application/json": {"schema": ref(schema)}}}
+
+
+def _chat_ok():
+    event_data = {"oneOf": [ref("ChatCompletionChunk"), ref("ErrorResponse"),
+                            {"const": "[DONE]"}]}
+    return {
+        "description": "The completion, as JSON; or, with `stream` true, an SSE stream whose "
+                       "`data:` payloads are ChatCompletionChunk objects, then `[DONE]`. "
+                       "Comment lines (`: keepalive`) keep an idle stream open. A failure after "
+                       "the stream began is one `data:` event holding an ErrorResponse.",
+        "headers": {"X-Neocloud-Generation-Id": _generation_header()},
+        "content": {
+            "application/json": {"schema": ref("ChatCompletion")},
+            "text/event-stream": {"schema": _sse_event(), "x-sse-data": event_data},
+        },
+    }
+
+
+def _sse_event():
+    """One event of the stream (OpenAPI 3.1 reads a ``text/event-stream`` schema per event)."""
+    chunk_or_error = {"oneOf": [ref("ChatCompletionChunk"), ref("ErrorResponse")]}
+    data = {"anyOf": [{"const": "[DONE]"}, {
+        "type": "string", "contentMediaType": "application/json",
+        "contentSchema": chunk_or_error}]}
+    return {"type": "object", "required": ["data"], "properties": {
+        "data": data, "event": {"const": "message"}, "id": {"type": "string"}}}
+
+
+def _generation_header():
+    return {"description": "The id of this request's usage event (GET /v1/generation).",
+            "schema": {"type": "string"}}
+
+
+def _errors(*statuses):
+    out = {}
+    for status in statuses:
+        if status == 502:
+            out["502"] = {"description": ERROR_WHY[502],
+                          "content": {"text/plain": {"schema": {"type": "string"}}}}
+            continue
+        response = {"description": ERROR_WHY[status], "content": {"application/json": {
+            "schema": {"allOf": [ref("ErrorResponse"), _error_codes(status)]}}}}
+        if status == 503:
+            response["headers"] = {"Retry-After": {
+                "description": "Seconds to wait (maintenance mode; a backend at capacity).",
+                "schema": {"type": "string"}}}
+        out[str(status)] = response
+    return out
+
+
+def _error_codes(status):
+    return {"properties": {"error": {"properties": {
+        "type": {"const": ERROR_TYPES[status]}, "code": {"enum": ERROR_CODES[status]}}}}}
+
+
+# -- responses -----------------------------------------------------------------------------------
+
+def _response_schemas():
+    return {
+        "ErrorResponse": {"type": "object", "required": ["error"], "properties": {"error": {
+            "type": "object", "required": ["message", "type", "param", "code"], "properties": {
+                "message": {"type": "string"}, "type": {"type": "string"},
+                "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}},
+        "Usage": _usage(),
+        "ToolCall": {"type": "object", "properties": {
+            "id": {"type": "string"}, "type": {"const": "function"}, "index": {"type": "integer"},
+            "function": {"type": "object", "properties": {
+                "name": {"type": "string"}, "arguments": {"type": "string"}}}}},
+        "ChatCompletion": _completion("chat.completion", "message", ["role"]),
+        "ChatCompletionChunk": _completion("chat.completion.chunk", "delta", []),
+    }
+
+
+def _usage():
+    count = {"type": "integer", "minimum": 0}
+    return {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
+            "properties": {
+                "prompt_tokens": count, "completion_tokens": count, "total_tokens": count,
+                "prompt_tokens_details": {"type": ["object", "null"], "properties": {
+                    "cached_tokens": {"type": ["integer", "null"], "minimum": 0}}},
+                "cost": {"type": "number", "minimum": 0,
+                         "description": "USD debited from credits for this request."},
+                "estimated": {"type": "boolean",
+                              "description": "Counted by Kiln: the backend sent no usage."}}}
+
+
+def _completion(kind, message_key, message_required):
+    message = {"type": "object", "required": message_required, "properties": {
+        "role": {"const": "assistant"}, "content": {"type": ["string", "null"]},
+        "tool_calls": {"type": "array", "items": ref("ToolCall")}}}
+    choice = {"type": "object", "required": ["index", message_key, "finish_reason"],
+              "properties": {"index": {"type": "integer"}, message_key: message,
+                             "finish_reason": {"type": ["string", "null"], "description":
+                                               "stop, length (max_tokens) or tool_calls."}}}
+    required = ["id", "object", "created", "model", "choices"]
+    usage = ref("Usage")
+    if kind == "chat.completion":
+        required.append("usage")
+    else:
+        usage = nullable(usage)
+    return {"type": "object", "required": required, "properties": {
+        "id": {"type": "string"}, "object": {"const": kind}, "created": {"type": "integer"},
+        "model": {"type": "string"}, "choices": {"type": "array", "items": choice},
+        "usage": usage}}
+
+
+def _account_schemas():
+    count = {"type": "integer", "minimum": 0}
+    statuses = [status.value for status in Status]
+    when = {"type": ["string", "null"], "format": "date-time"}
+    return {
+        "ModelList": {"type": "object", "required": ["object", "data"], "properties": {
+            "object": {"const": "list"}, "data": {"type": "array", "items": ref("Model")}}},
+        "Model": _model(),
+        "Credits": {"type": "object", "required": ["object", "balance_usd", "held_usd",
+                                                   "available_usd", "in_flight"],
+                    "properties": {"object": {"const": "credits"}, "balance_usd": DECIMAL_USD,
+                                   "held_usd": DECIMAL_USD, "available_usd": DECIMAL_USD,
+                                   "in_flight": count}},
+        "Generation": {"type": "object", "required": ["id", "object", "status", "cost_usd"],
+                       "properties": {
+                           "id": {"type": "string"}, "object": {"const": "generation"},
+                           "model": {"type": "string"}, "stream": {"type": "boolean"},
+                           "status": {"enum": statuses},
+                           "http_status": {"type": ["integer", "null"]},
+                           "prompt_tokens": count, "cached_tokens": count,
+                           "completion_tokens": count, "estimated": {"type": "boolean"},
+                           "cost_usd": {"anyOf": [DECIMAL_USD, {"type": "null"}],
+                                        "description": "null while the event is pending"},
+                           "hold_usd": DECIMAL_USD, "error": {"type": ["string", "null"]},
+                           "error_code": {"type": ["string", "null"]},
+                           "anomaly": {"type": "boolean"},
+                           "created_at": when, "first_token_at": when, "ended_at": when}},
+        "Health": {"type": "object", "required": ["status"],
+                   "properties": {"status": {"const": "ok"}}},
+        "Ready": {"type": "object", "required": ["status"], "properties": {
+            "status": {"enum": ["ok", "unavailable"]}, "models": count,
+            "database": {"type": "string"}, "catalog": {"type": "string"}}},
+    }
+
+
+def _model():
+    flag = {"type": "boolean"}
+    return {"type": "object", "required": ["id", "object", "context_window", "max_output_tokens",
+                                           "input_modalities", "capabilities", "pricing"],
+            "properties": {
+                "id": {"type": "string"}, "object": {"const": "model"},
+                "created": {"type": "integer"}, "owned_by": {"type": "string"},
+                "context_window": {"type": "integer", "minimum": 1},
+                "max_output_tokens": {"type": "integer", "minimum": 1},
+                "input_modalities": {"type": "array", "items": {"enum": ["text", "image"]}},
+                "capabilities": {"type": "object", "properties": {
+                    "parallel_tool_calls": flag, "forced_tool_choice": flag,
+                    "response_format": flag, "stop": flag}},
+                "pricing": {"type": "object", "properties": {
+                    "input": DECIMAL_USD, "cached_input": DECIMAL_USD, "output": DECIMAL_USD,
+                    "unit": {"const": "USD per 1M tokens"}}}}}
+

@@ -1,0 +1,274 @@
+"""Backend and client I/O of one generation: the upstream call, the client watch, and the stream
+relay. Nothing here knows about money; the flow (:mod:`gateway.flow.generation`) passes callbacks.
+
+README "Streaming" is the contract: events relayed as bytes arrive, ``: keepalive`` comments
+while the backend is silent, a client leaving noticed while Kiln waits on the backend (whose
+request is then closed so the model stops), and the backend read no faster than the client reads
+(a bounded queue between them); a client that stops reading altogether is hung up on after the
+idle timeout (:func:`guard_writes`).
+"""
+import select
+import socket
+import time
+
+import gevent
+from gevent.event import Event
+from gevent.monkey import get_original
+from gevent.queue import Empty, Queue
+from gevent.socket import wait_read
+from urllib3.exceptions import ReadTimeoutError
+
+from . import upstream
+from .sse import KEEPALIVE, EventSplitter, EventTooLarge
+
+READ_SIZE = 65536
+QUEUE_CHUNKS = 8  # reads buffered between backend and client: back-pressure past this
+DATA, EOF, FAILED = "data", "eof", "failed"
+# Linux reports a peer's FIN as POLLRDHUP even while unread bytes (a pipelined next request)
+# sit in the buffer, where a peek would only see those bytes. The unpatched poll, with timeout 0,
+# never blocks the hub.
+_RDHUP = getattr(select, "POLLRDHUP", 0)
+_HANGUP = _RDHUP | select.POLLHUP | select.POLLERR
+_real_poll = get_original("select", "poll")
+
+
+class ClientGone(Exception):
+    """The client closed its connection."""
+
+
+class StreamFailed(Exception):
+    """The backend failed after the stream began.
+
+    :param kind: ``"upstream_error"``, ``"timeout"`` or ``"too_large"``.
+    """
+
+    def __init__(self, message, kind="upstream_error"):
+        super().__init__(message)
+        self.kind = kind
+
+
+class ClientWatch:
+    """Notice the client leaving while Kiln waits on the backend, not only at the next write.
+
+    Under gunicorn's gevent worker the client's socket is ``environ["gunicorn.socket"]``.
+    """
+
+    def __init__(self, sock):
+        self.gone = Event()
+        self._on_gone = []
+        self._greenlet = gevent.spawn(self._watch, sock) if sock is not None else None
+
+    def on_gone(self, callback):
+        """Call ``callback()`` once the client is gone (at once if it already is)."""
+        if self.gone.is_set():
+            callback()
+        else:
+            self._on_gone.append(callback)
+
+    def _watch(self, sock):
+        try:
+            while True:
+                wait_read(sock.fileno())
+                if _peer_closed(sock):
+                    break
+                gevent.sleep(0.25)  # bytes of a pipelined next request: look again later
+        except (OSError, ValueError):
+            pass  # reset, or the socket is already closed: the client is gone
+        self.gone.set()
+        for callback in self._on_gone:
+            callback()
+
+    def stop(self):
+        if self._greenlet is not None:
+            self._greenlet.kill(block=False)
+
+
+def guard_writes(body, sock, idle_s):
+    """Yield the items of ``body`` (the response's generator); if the server has not asked for
+    the next one within ``idle_s`` seconds, its write is stuck behind a client that stopped
+    reading: hang up on the client. The server's write then fails, it closes ``body`` (which
+    settles the generation, billing what was generated), and the backend, no longer read,
+    stopped at the bounded queue meanwhile."""
+    writing_since = []
+    watcher = gevent.spawn(_watch_writes, writing_since, sock, idle_s) if sock else None
+    try:
+        for item in body:
+            writing_since.append(time.monotonic())
+            yield item
+            writing_since.clear()
+    finally:
+        if watcher is not None:
+            watcher.kill(block=False)
+        body.close()
+
+
+def _watch_writes(writing_since, sock, idle_s):
+    while True:
+        gevent.sleep(min(1.0, idle_s / 4))
+        if writing_since and time.monotonic() - writing_since[0] > idle_s:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            return
+
+
+def _peer_closed(sock):
+    """Return whether the client closed its side (called once ``sock`` is readable)."""
+    if _RDHUP:
+        poller = _real_poll()
+        poller.register(sock.fileno(), select.POLLIN | _HANGUP)
+        return any(events & _HANGUP for _, events in poller.poll(0))
+    return sock.recv(1, socket.MSG_PEEK) == b""
+
+
+class UpstreamCall:
+    """One request to a backend, sent from its own greenlet and abortable from any other.
+
+    :param open_response: ``() -> response``: sends the request (retrying on other backends,
+        :meth:`gateway.backends.fleet.Route.open`) and returns the 2xx response once its status
+        is in.
+    """
+
+    def __init__(self, open_response):
+        self.response = None
+        self.sent_at = time.monotonic()
+        self._aborted = False
+        self._greenlet = gevent.spawn(self._send, open_response)
+
+    def _send(self, open_response):
+        resp = open_response()
+        self.response = resp
+        if self._aborted:
+            upstream.shutdown(resp)  # the abort came while the status line was on its way
+        return resp
+
+    @property
+    def answered(self):
+        """The backend answered (a 2xx response), or the call failed."""
+        return self._greenlet.ready()
+
+    def result(self):
+        """Return the 2xx response; raise the gateway error the call ended with."""
+        return self._greenlet.get()
+
+    def wait(self, timeout_s, gone):
+        """Wait up to ``timeout_s`` for the answer; raise :class:`ClientGone` if ``gone`` is
+        set first. Return whether the backend answered."""
+        gevent.wait([self._greenlet, gone], count=1, timeout=timeout_s)
+        if gone.is_set():
+            raise ClientGone()
+        return self.answered
+
+    def abort(self):
+        """Close the backend request at once (the model server stops generating). Safe to call
+        twice and from any greenlet but the caller's own reads."""
+        self.close(complete=False)
+
+    def close(self, complete):
+        """End the call: a reply read ``complete``-ly gives its connection back to the pool;
+        any other is aborted."""
+        if self._aborted:
+            return
+        self._aborted = True
+        if not self._greenlet.ready():
+            # Blocking kill: closing a response while a greenlet is inside its buffered read
+            # fails ("reentrant call") and would leave the connection open.
+            self._greenlet.kill()
+        if self.response is not None:
+            upstream.close(self.response) if complete else upstream.shutdown(self.response)
+
+
+def keepalives_until_answered(call, gone, keepalive_s):
+    """Yield ``: keepalive`` comments until the backend has answered (or failed).
+
+    :raises ClientGone: the client left first.
+    """
+    while not call.wait(keepalive_s, gone):
+        yield KEEPALIVE
+
+
+class Pump:
+    """Reads a backend's body into a bounded queue in its own greenlet (content decoded).
+
+    When the queue is full the pump waits, so a client that stops reading stops Kiln reading the
+    backend: TCP back-pressure reaches the model server instead of memory growing here.
+    """
+
+    def __init__(self, resp, idle_s):
+        self.idle_s = idle_s  # what the socket's read timeout is, for the message
+        self.queue = Queue(maxsize=QUEUE_CHUNKS)
+        self.complete = False  # the body was read to its end
+        self._greenlet = gevent.spawn(self._run, resp)
+
+    def _run(self, resp):
+        try:
+            while True:
+                data = resp.raw.read1(READ_SIZE, decode_content=True)
+                if not data:
+                    self.complete = True
+                    self.queue.put((EOF, None))
+                    return
+                self.queue.put((DATA, data))
+        except ReadTimeoutError:
+            self.queue.put((FAILED, StreamFailed(f"The model backend sent nothing for "
+                                                 f"{self.idle_s:g} s (idle timeout).",
+                                                 kind="timeout")))
+        except Exception as err:  # noqa: BLE001 - any read failure ends the stream as an error
+            self.queue.put((FAILED, StreamFailed(f"The model backend connection failed: "
+                                                 f"{type(err).__name__}.")))
+
+    def stop(self, reason=None):
+        """Stop reading; with ``reason`` (an exception), hand it to the relay in place of
+        whatever was queued, so that it wakes at once."""
+        self._greenlet.kill()
+        if reason is not None:
+            while not self.queue.empty():
+                self.queue.get_nowait()
+            self.queue.put_nowait((FAILED, reason))
+
+
+def relay_stream(pump, apply, tick, keepalive_s, idle_s, max_event_bytes):
+    """Yield the client's bytes for a backend's event stream until it ends.
+
+    :param apply: ``list of data payloads -> (bytes to send, stop)``; ``stop`` ends the relay
+        after those bytes (the generation reached its budget); raising ends the stream.
+    :param tick: ``() -> None`` called between reads (may raise to stop the relay).
+    :param keepalive_s: seconds of silence before a ``: keepalive`` comment.
+    :param idle_s: seconds of backend silence after which the stream fails as a timeout.
+    :returns: the bytes of an unfinished event when the backend closed the stream (empty
+        when it ended cleanly or the relay stopped).
+    :raises StreamFailed: read failure, idle timeout, or an event over ``max_event_bytes``.
+    """
+    splitter = EventSplitter(max_event_bytes)
+    now = time.monotonic()
+    last_data, next_keepalive = now, now + keepalive_s
+    while True:
+        tick()
+        wait_s = max(0.0, min(next_keepalive, last_data + idle_s) - time.monotonic())
+        try:
+            kind, data = pump.queue.get(timeout=wait_s)
+            tick()
+        except Empty:
+            now = time.monotonic()
+            if now >= last_data + idle_s:
+                raise StreamFailed(f"The model backend sent nothing for {idle_s:g} s (idle "
+                                   f"timeout).", kind="timeout") from None
+            if now >= next_keepalive:
+                yield KEEPALIVE
+                next_keepalive = time.monotonic() + keepalive_s
+            continue
+        if kind is EOF:
+            return splitter.pending
+        if kind is FAILED:
+            raise data
+        last_data = time.monotonic()
+        try:
+            out, stop = apply(splitter.feed(data))
+        except EventTooLarge as err:
+            raise StreamFailed(str(err), kind="too_large") from err
+        if out:
+            yield out
+            next_keepalive = time.monotonic() + keepalive_s
+        if stop:
+            return b""

@@ -1,0 +1,222 @@
+"""Model catalog: the TOML file named by ``KILN_MODELS``, and ``GET /v1/models``.
+
+Each entry gives a public model id, limits, input modalities, capabilities, prices (USD per
+million tokens, kept as exact decimals), backends (base URL + upstream model name + weight +
+optional ``max_in_flight``), and how requests reach them: ``routing`` and ``timeouts``
+(docs/ROUTING.md).
+"""
+import math
+import tomllib
+from dataclasses import dataclass, field
+from decimal import Decimal
+from functools import cached_property
+
+from flask import Blueprint, current_app, jsonify
+
+from ..api.auth import require_key
+from ..billing import NANOS_PER_USD
+from .families import FAMILIES
+from .images import DEFAULT_SOURCES, SOURCES
+from ..backends.health import BackendState
+from .parameters import PARAMETERS
+from ..backends.routing import LOAD_BOUND, POLICIES, WEIGHTED
+
+bp = Blueprint("models", __name__)
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """Seconds: connecting to a backend, waiting for its first byte (its status line), and the
+    longest silence after that (between stream chunks, or within a reply's body)."""
+
+    connect_s: float
+    first_byte_s: float
+    idle_s: float
+
+
+TIMEOUT_KEYS = ("connect_s", "first_byte_s", "idle_s")
+
+
+@dataclass(frozen=True)
+class Backend:
+    """One model server: ``url`` is its OpenAI base URL (ending in ``/v1``); weight 0 drains it
+    (no new requests; running ones finish); ``max_in_flight`` caps its concurrent requests from
+    this host (0: no cap)."""
+
+    url: str
+    model: str
+    weight: int = 1
+    tokenize_url: str = None  # llama.cpp: ``POST {base}/extras/tokenize/count`` for exact counts
+    server: str = "generic"   # the backend family (gateway.contract.families): what it reads
+    max_in_flight: int = 0
+    state: BackendState = field(default_factory=BackendState, repr=False, compare=False)
+
+
+@dataclass(frozen=True)
+class Pricing:
+    """USD per million tokens, exact decimals with at most 9 places (nano-dollars per million
+    tokens), so that a price is an integer in :attr:`nanos` and a cost is integer arithmetic."""
+
+    input: Decimal
+    cached_input: Decimal
+    output: Decimal
+
+    @cached_property
+    def nanos(self):
+        """``(input, cached_input, output)`` in integer nano-dollars per million tokens."""
+        return tuple(int(p * NANOS_PER_USD) for p in (self.input, self.cached_input, self.output))
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    id: str
+    context_window: int
+    max_output_tokens: int
+    pricing: Pricing
+    backends: tuple
+    input: tuple = ("text",)
+    family: str = ""
+    parallel_tool_calls: bool = False
+    forced_tool_choice: bool = False
+    response_format: bool = False
+    stop: bool = True
+    # Non-OpenAI parameters forwarded as given (``top_k``, ``repetition_penalty``, ...).
+    extra_params: tuple = ()
+    image_sources: tuple = DEFAULT_SOURCES  # gateway.contract.images
+    created: int = 0
+    owned_by: str = "kiln"
+    routing: str = WEIGHTED  # gateway.backends.routing.POLICIES
+    load_bound: float = LOAD_BOUND  # prefix-affinity: × its share of in flight, then skipped
+    timeouts: tuple = ()     # ((key of TIMEOUT_KEYS, seconds), ...) set in the catalog
+    _weights: tuple = field(default=(), repr=False)
+
+    def timeouts_for(self, config):
+        """Return the model's :class:`Timeouts`: the catalog's, else the settings'."""
+        given = dict(self.timeouts)
+        return Timeouts(given.get("connect_s", config.upstream_connect_timeout_s),
+                        given.get("first_byte_s", config.upstream_read_timeout_s),
+                        given.get("idle_s", config.upstream_read_timeout_s))
+
+    def public(self):
+        """Return the public description served by ``GET /v1/models``."""
+        return {
+            "id": self.id, "object": "model", "created": self.created, "owned_by": self.owned_by,
+            "context_window": self.context_window, "max_output_tokens": self.max_output_tokens,
+            "input_modalities": list(self.input),
+            "capabilities": {"parallel_tool_calls": self.parallel_tool_calls,
+                             "forced_tool_choice": self.forced_tool_choice,
+                             "response_format": self.response_format, "stop": self.stop},
+            "pricing": {"input": str(self.pricing.input),
+                        "cached_input": str(self.pricing.cached_input),
+                        "output": str(self.pricing.output), "unit": "USD per 1M tokens"},
+        }
+
+
+class CatalogError(ValueError):
+    """The catalog file is missing, malformed or inconsistent."""
+
+
+def load_catalog(path):
+    """Read the catalog at ``path`` into ``{model id: ModelEntry}``.
+
+    :raises CatalogError: unreadable file, missing field, bad price or no backend.
+    """
+    try:
+        with open(path, "rb") as fh:
+            data = tomllib.load(fh)
+    except (OSError, tomllib.TOMLDecodeError) as err:
+        raise CatalogError(f"catalog {path}: {err}") from err
+    models = {}
+    for raw in data.get("models", []):
+        entry = _entry(raw)
+        if entry.id in models:
+            raise CatalogError(f"catalog {path}: duplicate model id {entry.id!r}")
+        models[entry.id] = entry
+    return models
+
+
+def _check_image_sources(entry):
+    """``image_sources`` is a list among :data:`gateway.contract.images.SOURCES`; ``private`` widens
+    ``http`` or ``https``, so it needs one of them."""
+    if not all(isinstance(s, str) and s in SOURCES for s in entry.image_sources):
+        raise CatalogError(f"catalog entry {entry.id!r}: image_sources must be a list among "
+                           f"{', '.join(SOURCES)}, not {list(entry.image_sources)}")
+    if "private" in entry.image_sources and not {"http", "https"} & set(entry.image_sources):
+        raise CatalogError(f"catalog entry {entry.id!r}: image_sources \"private\" widens "
+                           f"\"http\" or \"https\"; list one of them too")
+
+
+def _entry(raw):
+    try:
+        backends = tuple(Backend(**b) for b in raw["backends"])
+        prices = raw["pricing"]
+        pricing = Pricing(*(Decimal(str(prices[k])) for k in ("input", "cached_input", "output")))
+        extra = {k: raw[k] for k in ("family", "parallel_tool_calls", "forced_tool_choice",
+                                     "response_format", "stop", "created", "owned_by",
+                                     "routing", "load_bound") if k in raw}
+        extra.update({k: tuple(raw[k]) for k in ("extra_params", "image_sources") if k in raw})
+        entry = ModelEntry(id=raw["id"], context_window=int(raw["context_window"]),
+                           max_output_tokens=int(raw["max_output_tokens"]), pricing=pricing,
+                           backends=backends, input=tuple(raw.get("input", ["text"])),
+                           timeouts=_timeouts(raw.get("timeouts", {})),
+                           _weights=tuple(b.weight for b in backends), **extra)
+    except (KeyError, TypeError, ValueError, ArithmeticError) as err:
+        raise CatalogError(f"catalog entry {raw.get('id', '?')!r}: bad or missing {err}") from err
+    _check_fleet(entry)
+    if set(entry.extra_params) & set(PARAMETERS):
+        raise CatalogError(f"catalog entry {entry.id!r}: extra_params may only name "
+                           f"non-OpenAI parameters (Kiln decides the others)")
+    _check_image_sources(entry)
+    prices = (pricing.input, pricing.cached_input, pricing.output)
+    if min(prices) < 0:
+        raise CatalogError(f"catalog entry {entry.id!r}: negative price")
+    if pricing.cached_input > pricing.input:  # a hold is priced with no cached tokens
+        raise CatalogError(f"catalog entry {entry.id!r}: cached_input above input; a hold "
+                           f"would not cover a cached prompt")
+    if any((p * NANOS_PER_USD) % 1 for p in prices):
+        raise CatalogError(f"catalog entry {entry.id!r}: a price has more than 9 decimal places "
+                           f"(nano-dollars per million tokens)")
+    return entry
+
+
+def _timeouts(raw):
+    if not isinstance(raw, dict) or set(raw) - set(TIMEOUT_KEYS):
+        raise TypeError(f"timeouts (a table of {', '.join(TIMEOUT_KEYS)})")
+    values = tuple((k, float(raw[k])) for k in TIMEOUT_KEYS if k in raw)
+    if any(not (math.isfinite(v) and v > 0) for _, v in values):
+        raise TypeError("timeouts (each a number of seconds above 0)")
+    return values
+
+
+def _check_fleet(entry):
+    """Check the backends and how they are reached: known family, whole non-negative weight
+    and cap, a known routing policy."""
+    if not entry.backends:
+        raise CatalogError(f"catalog entry {entry.id!r}: no backends")
+    if isinstance(entry.load_bound, bool) or not isinstance(entry.load_bound, (int, float)) \
+            or not 1 <= entry.load_bound < math.inf:
+        raise CatalogError(f"catalog entry {entry.id!r}: load_bound must be a number, 1 or more")
+    if entry.routing not in POLICIES:
+        raise CatalogError(f"catalog entry {entry.id!r}: routing {entry.routing!r} is not one "
+                           f"of {', '.join(POLICIES)}")
+    for backend in entry.backends:
+        if backend.server not in FAMILIES:
+            raise CatalogError(f"catalog entry {entry.id!r}: server {backend.server!r} is not "
+                               f"one of {', '.join(FAMILIES)}")
+        for name in ("weight", "max_in_flight"):
+            value = getattr(backend, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise CatalogError(f"catalog entry {entry.id!r}: backend {backend.url}: {name} "
+                                   f"must be a whole number, 0 or more")
+
+
+def catalog():
+    """Return the current app's catalog mapping."""
+    return current_app.extensions["kiln.catalog"]
+
+
+@bp.get("/models")
+@require_key
+def list_models():
+    """List the public models of the catalog (OpenAI list shape)."""
+    return jsonify({"object": "list", "data": [m.public() for m in catalog().values()]})

@@ -1,0 +1,270 @@
+"""Token metering, pure: what a generation produced, counted as Kiln relays it, and Kiln's own
+counts where a backend reports none or reports nonsense. No I/O here: a backend's tokenizer is
+passed in as a ``count(text) -> int | None`` callable.
+
+Kiln is paid for tokens, so its own counts err upward (docs/METERING.md gives the bounds):
+
+- the prompt: the backend's tokenizer on everything sent (message text and parts, tool
+  definitions, tool calls and names in the history) plus the chat template's tokens, or, when the
+  tokenizer cannot answer in time, the UTF-8 bytes of that text (a byte-level BPE token covers at
+  least one byte); at most the context window;
+- the completion: the backend's tokenizer on everything generated (content, reasoning, refusals,
+  tool-call names and arguments, every choice), or its bytes capped by the budget; never fewer than
+  the tokens the relay counted (each delta carries at least one token, and at least one per
+  :data:`MAX_TOKEN_BYTES` bytes of its text). A reply proven by that count to hold more than
+  the budget (a non-stream reply cannot be cut) is billed its bytes, uncapped: the cap it was
+  sent no longer bounds it.
+"""
+import json
+import math
+
+from ..billing import Usage, token_count
+
+# Chat-template tokens around each message and around the whole prompt (role markers, a default
+# system prompt some templates add). Generous on purpose: an estimate must not fall short.
+TEMPLATE_TOKENS_PER_MESSAGE = 8
+TEMPLATE_TOKENS_PER_REQUEST = 32
+# Fields of a delta (stream) or a message (non-stream) that carry generated text.
+GENERATED_TEXT_FIELDS = ("content", "reasoning_content", "reasoning", "refusal")
+# No token of a chat model's vocabulary spans more UTF-8 bytes than this (the longest tokens of
+# the common BPE vocabularies are runs of spaces or punctuation well below it), so a delta holds
+# at least ``ceil(bytes / MAX_TOKEN_BYTES)`` tokens: a count that never exceeds the true one,
+# and that a backend packing many tokens into each delta cannot stay under.
+MAX_TOKEN_BYTES = 64
+
+
+def prompt_bound(context_window, body_bytes, n_messages, has_images):
+    """Return the most prompt tokens a request can have: its body's bytes plus the template's
+    tokens, at most the context window; a request with images may fill the window.
+
+    :param body_bytes: size of the client's JSON body.
+    """
+    if has_images:
+        return context_window
+    bound = body_bytes + TEMPLATE_TOKENS_PER_MESSAGE * n_messages + TEMPLATE_TOKENS_PER_REQUEST
+    return min(bound, context_window)
+
+
+class Meter:
+    """Counts a generation as it is relayed, and keeps it within its budget.
+
+    :param cap: completion tokens Kiln held for (``max_tokens × n``); the relay stops there.
+    """
+
+    def __init__(self, cap):
+        self.cap = cap
+        self.deltas = 0          # deltas with generated text relayed (each ≥ 1 token)
+        self.floor = 0           # tokens relayed at least: Σ max(1, ⌈delta bytes / 64⌉)
+        self.bytes = 0           # UTF-8 bytes of the generated text relayed
+        self.parts = []          # the generated text, in pieces
+        self.reported = None     # the last usage object the backend sent (running or final)
+        self.finished = set()    # choice indexes that carried a finish_reason
+        self.cut = False         # Kiln stopped the generation at its budget
+
+    @property
+    def generated(self):
+        """Completion tokens known so far: the backend's running count or Kiln's floor (at
+        least one per delta and per :data:`MAX_TOKEN_BYTES` bytes), whichever is larger."""
+        reported = token_count((self.reported or {}).get("completion_tokens"))
+        return max(self.floor, reported or 0)
+
+    @property
+    def overran(self):
+        """Whether more than the budget is proven to have reached the client (by Kiln's floor or
+        the backend's own count; a non-stream reply, which cannot be cut): the cap no longer
+        bounds an estimate of it."""
+        return self.generated > self.cap
+
+    def admit_chunk(self, chunk):
+        """Count a stream chunk (dict) if it fits in the budget; return whether it does.
+
+        A chunk that would take the generation past ``cap`` is not counted: the caller stops
+        relaying there (and the backend) and ends the choices with ``finish_reason: "length"``.
+        """
+        usage = chunk.get("usage")
+        running = token_count(usage.get("completion_tokens")) if isinstance(usage, dict) else None
+        choices = chunk.get("choices")
+        choices = choices if isinstance(choices, list) else ()
+        pieces = [p for choice in choices for p in _choice_text(choice, "delta")]
+        deltas = sum(1 for choice in choices if _has_generation(choice, "delta"))
+        floor, size = _floor(choices, "delta")
+        if deltas and (self.floor + floor > self.cap or (running or 0) > self.cap):
+            self.cut = True
+            return False
+        if isinstance(usage, dict):
+            self.reported = usage
+        self.deltas += deltas
+        self.floor += floor
+        self.bytes += size
+        self.parts.extend(pieces)
+        for choice in choices:
+            if isinstance(choice, dict) and choice.get("finish_reason"):
+                self.finished.add(choice.get("index", 0))
+        return True
+
+    def observe_completion(self, completion):
+        """Count a whole (non-stream) chat completion (dict)."""
+        choices = completion.get("choices")
+        choices = choices if isinstance(choices, list) else ()
+        for choice in choices:
+            self.parts.extend(_choice_text(choice, "message"))
+            self.deltas += 1 if _has_generation(choice, "message") else 0
+        floor, size = _floor(choices, "message")
+        self.floor += floor
+        self.bytes += size
+        if isinstance(completion.get("usage"), dict):
+            self.reported = completion["usage"]
+
+    def text(self):
+        """Return everything generated so far as one string."""
+        return "".join(self.parts)
+
+
+def _choice_text(choice, field):
+    """Yield the generated strings of one choice's ``delta`` or ``message``."""
+    body = choice.get(field) if isinstance(choice, dict) else None
+    if not isinstance(body, dict):
+        return
+    for name in GENERATED_TEXT_FIELDS:
+        if isinstance(body.get(name), str):
+            yield body[name]
+    calls = body.get("tool_calls")
+    calls = calls if isinstance(calls, list) else []
+    if isinstance(body.get("function_call"), dict):
+        calls = calls + [{"function": body["function_call"]}]
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        if isinstance(function, dict):
+            for name in ("name", "arguments"):
+                if isinstance(function.get(name), str):
+                    yield function[name]
+
+
+def _has_generation(choice, field):
+    return any(_choice_text(choice, field))
+
+
+def _floor(choices, field):
+    """Return ``(tokens at least, UTF-8 bytes)`` of the generated text in ``choices``: per
+    choice that generated anything, one token and one more per :data:`MAX_TOKEN_BYTES` bytes."""
+    floor = size = 0
+    for choice in choices:
+        n = sum(_utf8_len(text) for text in _choice_text(choice, field))
+        if n or _has_generation(choice, field):
+            floor += max(1, math.ceil(n / MAX_TOKEN_BYTES))
+            size += n
+    return floor, size
+
+
+def _utf8_len(text):
+    return len(text.encode("utf-8", "surrogatepass"))
+
+
+def prompt_text(body):
+    """Return the text of everything a request sends the model: message text and parts, names,
+    tool calls in the history, and the tool definitions (as JSON, as templates render them).
+
+    :param body: the request body (dict) as built for the backend.
+    """
+    out = []
+    for message in body.get("messages") or ():
+        if isinstance(message, dict):
+            out.extend(_message_text(message))
+    if body.get("tools"):
+        out.append(json.dumps(body["tools"], ensure_ascii=False))
+    return "\n".join(out)
+
+
+def _message_text(message):
+    if isinstance(message.get("name"), str):
+        yield message["name"]
+    content = message.get("content")
+    if isinstance(content, str):
+        yield content
+    elif isinstance(content, list):
+        for part in content:
+            if isinstance(part, dict):
+                for name in ("text", "refusal"):
+                    if isinstance(part.get(name), str):
+                        yield part[name]
+    if isinstance(message.get("refusal"), str):
+        yield message["refusal"]
+    for call in message.get("tool_calls") or ():
+        function = call.get("function") if isinstance(call, dict) else None
+        if isinstance(function, dict):
+            yield json.dumps(function, ensure_ascii=False)
+
+
+def estimate_prompt(body, n_messages, context_window, has_images, count):
+    """Return Kiln's upper estimate of the prompt tokens of ``body`` (see the module doc).
+
+    :param count: ``text -> int | None``, the backend's tokenizer (None: it did not answer).
+    """
+    if has_images:
+        return context_window  # images' tokens are the backend's to tell; the bound is the window
+    text = prompt_text(body)
+    counted = count(text) if text else 0
+    if counted is None:
+        counted = len(text.encode("utf-8", "surrogatepass"))
+    overhead = TEMPLATE_TOKENS_PER_MESSAGE * n_messages + TEMPLATE_TOKENS_PER_REQUEST
+    return min(counted + overhead, context_window)
+
+
+def estimate_completion(meter, count):
+    """Return Kiln's upper estimate of the completion tokens counted by ``meter``.
+
+    :param count: ``text -> int | None``, the backend's tokenizer (None: it did not answer);
+        without an answer, the generated text's bytes: at most the budget, unless the
+        generation is proven to have run past it (:attr:`Meter.overran`).
+    """
+    text = meter.text()
+    counted = count(text) if text else 0
+    if counted is None:
+        size = _utf8_len(text)
+        counted = size if meter.overran else min(size, meter.cap)
+    return max(counted, meter.generated)
+
+
+def reconcile_usage(reported, meter, own_prompt, own_completion):
+    """Return the :class:`Usage` to bill from a backend's ``usage`` object and Kiln's counts.
+
+    Each count is taken from the backend when it is a well-formed count, else from Kiln's own
+    (a null, missing, string, negative or fractional count is never billed as 0). A reported
+    completion below the tokens Kiln counted relaying it (:attr:`Meter.floor`) is raised to
+    them. Own counts are computed only
+    when needed.
+
+    :param reported: the backend's ``usage`` object, or None.
+    :param own_prompt: ``() -> int``, Kiln's prompt estimate.
+    :param own_completion: ``() -> int``, Kiln's completion estimate.
+    :returns: :class:`Usage`; ``estimated`` when any count is Kiln's.
+    """
+    reported = reported if isinstance(reported, dict) else {}
+    prompt = token_count(reported.get("prompt_tokens"))
+    completion = token_count(reported.get("completion_tokens"))
+    details = reported.get("prompt_tokens_details")
+    cached = token_count(details.get("cached_tokens")) if isinstance(details, dict) else None
+    estimated = prompt is None or completion is None
+    if prompt is None:
+        prompt = own_prompt()
+    if completion is None:
+        completion = own_completion()
+    elif completion < meter.floor:
+        completion, estimated = meter.floor, True
+    return Usage(prompt=prompt, cached=min(cached or 0, prompt), completion=completion,
+                 estimated=estimated)
+
+
+def is_well_formed(reported, usage):
+    """Tell whether a backend's ``usage`` object already says exactly ``usage`` (whole counts,
+    ``total_tokens`` their sum), so that it can be relayed as sent with only ``cost`` added."""
+    if not isinstance(reported, dict) or usage.estimated:
+        return False
+    details = reported.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else 0
+    return (type(reported.get("prompt_tokens")) is int
+            and type(reported.get("completion_tokens")) is int
+            and reported.get("total_tokens") == usage.prompt + usage.completion
+            and reported["prompt_tokens"] == usage.prompt
+            and reported["completion_tokens"] == usage.completion
+            and (cached or 0) == usage.cached and type(cached or 0) is int)

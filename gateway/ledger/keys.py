@@ -1,0 +1,135 @@
+"""What a key holder and an operator see of keys: the rows and their public description that
+``GET /v1/key`` and ``GET /v1/keys`` serve (the views are in :mod:`gateway.api.auth`, beside the key
+check; never a secret), and the limit changes of ``kiln key``.
+
+A key's spend limit counts what it spent in the current period (UTC day, ISO week, month, or
+all time when it never resets) plus the holds of its requests in flight; admission enforces it
+(:mod:`gateway.ledger`). The period's spend is kept on the key's row and moves with each
+settlement; a period that has ended but not yet seen a request still shows its old spend in the
+row, so the views here count it as 0.
+"""
+from dataclasses import dataclass
+from datetime import timezone
+from decimal import Decimal
+
+import sqlalchemy as sa
+
+from ..billing import from_nanos, to_nanos
+from ..db import utcnow
+from . import next_period
+from .sqlite import period_start
+from ..models import api_keys, usage_events
+from ..endings import Status
+
+RESETS = ("daily", "weekly", "monthly")
+_COLUMNS = (api_keys.c.id, api_keys.c.prefix, api_keys.c.name, api_keys.c.created_at,
+            api_keys.c.revoked_at, api_keys.c.last_used_at, api_keys.c.limit_usd,
+            api_keys.c.limit_reset, api_keys.c.period_start, api_keys.c.period_spent_nanos,
+            api_keys.c.held_nanos, api_keys.c.rpm_limit)
+
+
+@dataclass(frozen=True)
+class KeyUsage:
+    """A key's limits and what counts against them now (nano-dollars; None: no limit)."""
+
+    limit_nanos: int
+    spent_nanos: int
+    held_nanos: int
+    period_start: object
+    resets_at: object
+
+    @property
+    def remaining_nanos(self):
+        """What the key may still hold or spend in this period (never below 0), or None."""
+        if self.limit_nanos is None:
+            return None
+        return max(self.limit_nanos - self.spent_nanos - self.held_nanos, 0)
+
+
+def key_usage(row, now):
+    """Return the :class:`KeyUsage` of an ``api_keys`` row at ``now`` (aware UTC)."""
+    current = period_start(row.limit_reset, now)
+    spent = row.period_spent_nanos if _utc(row.period_start) == current else 0
+    limit = None if row.limit_usd is None else to_nanos(Decimal(row.limit_usd))
+    return KeyUsage(limit_nanos=limit, spent_nanos=spent, held_nanos=row.held_nanos,
+                    period_start=current,
+                    resets_at=None if current is None else next_period(row.limit_reset, current))
+
+
+def key_view(row, now):
+    """Return the public description of an ``api_keys`` row: no hash, no secret.
+
+    Amounts are exact decimal strings of USD; ``usage_usd`` is the current period's spend,
+    ``held_usd`` the holds of its requests in flight, ``remaining_usd`` the limit less both
+    (None without a limit); times are ISO 8601 UTC.
+    """
+    usage = key_usage(row, now)
+    return {
+        "object": "key", "label": row.name, "prefix": row.prefix,
+        "limit_usd": _usd(usage.limit_nanos), "limit_reset": row.limit_reset,
+        "usage_usd": _usd(usage.spent_nanos), "held_usd": _usd(usage.held_nanos),
+        "remaining_usd": _usd(usage.remaining_nanos),
+        "period_start": _iso(usage.period_start), "resets_at": _iso(usage.resets_at),
+        "rate_limit": None if row.rpm_limit is None else {"requests_per_minute": row.rpm_limit},
+        "created_at": _iso(row.created_at), "last_used_at": _iso(row.last_used_at),
+        "revoked": row.revoked_at is not None,
+    }
+
+
+def org_keys(engine, org_id):
+    """Return the ``api_keys`` rows of ``org_id`` (the columns of :data:`_COLUMNS`), oldest
+    first."""
+    query = sa.select(*_COLUMNS).where(api_keys.c.org_id == org_id).order_by(api_keys.c.id)
+    with engine.connect() as conn:
+        return conn.execute(query).all()
+
+
+def key_by_id(engine, key_id):
+    """Return the ``api_keys`` row of ``key_id`` (the columns of :data:`_COLUMNS`)."""
+    with engine.connect() as conn:
+        return conn.execute(sa.select(*_COLUMNS).where(api_keys.c.id == key_id)).one()
+
+
+# -- operator changes (kiln key set) -------------------------------------------------------------
+
+def set_limits(engine, prefix, changes):
+    """Apply ``changes`` (``limit_usd``, ``limit_reset``, ``rpm_limit``; None clears) to the key
+    with display ``prefix``; return whether there was one.
+
+    A new reset period starts now: the key's spend is recounted from its settled events since
+    the new period's start (all of them when it never resets), under the key's row lock, which
+    settlement takes too; a settlement waiting on it adds its cost to the recounted spend.
+    """
+    with engine.begin() as conn:
+        row = conn.execute(sa.select(api_keys.c.id, api_keys.c.limit_reset)
+                           .where(api_keys.c.prefix == prefix).with_for_update()).first()
+        if row is None:
+            return False
+        values = dict(changes)
+        if "limit_reset" in changes and changes["limit_reset"] != row.limit_reset:
+            values.update(_recount(conn, row.id, changes["limit_reset"]))
+        conn.execute(api_keys.update().where(api_keys.c.id == row.id).values(**values))
+    return True
+
+
+def _recount(conn, key_id, reset):
+    start = period_start(reset, utcnow())
+    ev = usage_events.c
+    spent = sa.select(sa.func.coalesce(sa.func.sum(ev.cost_nanos), 0)).where(
+        ev.api_key_id == key_id, ev.status != Status.PENDING.value)
+    if start is not None:
+        spent = spent.where(ev.ended_at >= start)
+    return {"period_start": start, "period_spent_nanos": conn.execute(spent).scalar_one()}
+
+
+def _utc(ts):
+    """SQLite hands back naive datetimes; they are UTC."""
+    return ts if ts is None or ts.tzinfo else ts.replace(tzinfo=timezone.utc)
+
+
+def _usd(nanos):
+    return None if nanos is None else format(from_nanos(nanos), "f")
+
+
+def _iso(ts):
+    return None if ts is None else _utc(ts).isoformat()
