@@ -16,7 +16,7 @@ def create_app(config=None):
     from .contract import catalog
     from .backends import fleet, health, upstream
     from .ops import metrics, lifecycle as ops
-    from .flow.generation import Services
+    from .flow.life import Services
     from .db import create_engine
     from .errors import register_error_handlers
     from .ledger import Ledger, NullLedger

@@ -5,9 +5,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from gateway.flow import answers
+from gateway.dialects.chat import ChatStream
 from gateway.flow.answers import Head
-from gateway.flow.generation import _life
+from gateway.flow.life import _life
 from gateway.errors import UpstreamError, UpstreamRejected
 from gateway.endings import Status
 from gateway.backends.relay import ClientGone, StreamFailed
@@ -16,11 +16,10 @@ pytestmark = pytest.mark.unit
 
 
 class StubGeneration:
-    """What ``_life`` uses of a generation: the request kind, the head flag, close and settle."""
+    """What ``_life`` uses of a generation and its exchange: close (the exchange's) and settle
+    (the generation's), counted on one object."""
 
-    def __init__(self, stream=True, close_fails=False):
-        self.chat = SimpleNamespace(stream=stream)
-        self.head_sent = False
+    def __init__(self, close_fails=False):
         self.closed, self.close_fails, self.settled = 0, close_fails, []
         self.charged_usd = None
 
@@ -34,16 +33,14 @@ class StubGeneration:
         self.charged_usd = "0.5"
 
 
-def life_of(monkeypatch, body):
-    """Run ``_life`` with ``body(gen)`` as the stream path."""
-    gen = StubGeneration()
-    monkeypatch.setattr(answers, "stream", body)
-    return gen, _life(gen)
+def life_of(monkeypatch, body, gen=None):
+    """Run ``_life`` with ``body(gen)`` as the stream path, rendered as chat."""
+    gen = gen or StubGeneration()
+    return gen, _life(gen, gen, body(gen), ChatStream(SimpleNamespace(include_usage=False)))
 
 
 def head_then(*parts, fail=None):
     def body(gen):
-        gen.head_sent = True
         yield Head(200, "text/event-stream", {})
         yield from parts
         if fail is not None:
@@ -113,9 +110,8 @@ def test_a_kiln_bug_mid_stream_is_an_error_event_and_settles_as_error(monkeypatc
 
 
 def test_a_failing_close_still_settles(monkeypatch):
-    gen = StubGeneration(close_fails=True)
-    monkeypatch.setattr(answers, "stream", head_then(fail=UpstreamError("gone")))
-    life = _life(gen)
+    gen, life = life_of(monkeypatch, head_then(fail=UpstreamError("gone")),
+                        StubGeneration(close_fails=True))
     next(life)
     with pytest.raises(OSError):
         list(life)
@@ -124,7 +120,6 @@ def test_a_failing_close_still_settles(monkeypatch):
 
 def test_the_last_bytes_of_a_completion_go_out_after_its_settlement(monkeypatch):
     def body(gen):
-        gen.head_sent = True
         yield Head(200, "text/event-stream", {})
         yield b"a"
         return lambda charged: f"usage costs {charged}, [DONE]".encode()

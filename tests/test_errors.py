@@ -4,6 +4,7 @@ handler set: the view's failures, Flask's own, the database's, and the stream's 
 import json
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from flask import Flask
@@ -11,7 +12,8 @@ from sqlalchemy import exc as sa_exc
 
 from gateway.errors import InvalidRequest, UpstreamError, register_error_handlers
 from gateway.endings import Status
-from gateway.flow.outcomes import Outcome, error_event
+from gateway.dialects.chat import ChatStream
+from gateway.flow.outcomes import Outcome, stream_error
 
 pytestmark = pytest.mark.unit
 
@@ -20,6 +22,11 @@ GATEWAY = Path(__file__).resolve().parent.parent / "gateway"
 
 class Boom(Exception):
     pass
+
+
+def error_event(outcome, exc):
+    """The chat dialect's last event of a stream that ``exc`` ended with ``outcome``."""
+    return ChatStream(SimpleNamespace(include_usage=False)).error(stream_error(outcome, exc))
 
 
 RAISES = {

@@ -3,12 +3,15 @@ byte, CR/CRLF framing, comment/``event:``/``retry:`` lines, usage stripping and 
 running totals, stop strings and the single-tool-call rule."""
 import json
 from decimal import Decimal
+from types import SimpleNamespace
 
 import pytest
 
+from gateway.backends.sse import DONE, EventSplitter, frame, member_span, with_cost, without_member
+from gateway.billing import Usage
+from gateway.dialects.chat import ChatStream
 from gateway.flow.metering import Meter
-from gateway.backends.sse import (DONE, EventSplitter, StreamRules, frame, member_span, with_cost,
-                                  without_member)
+from gateway.flow.rules import StreamRules
 
 pytestmark = pytest.mark.unit
 
@@ -18,8 +21,22 @@ CHUNK = json.dumps({"id": "c1", "object": "chat.completion.chunk", "choices": [
     ensure_ascii=False).encode()
 
 
+class ChatRelay(StreamRules):
+    """The stream rules as a chat client sees them: each payload kept is sent as its own event
+    (:class:`gateway.dialects.chat.ChatStream`), and the stream's end."""
+
+    stream = ChatStream(SimpleNamespace(include_usage=True))
+
+    def apply(self, payload):
+        kept = super().apply(payload)
+        return None if kept is None else self.stream.chunk(*kept)
+
+    def end(self, usage, cost_usd):
+        return self.stream.end(usage, cost_usd, self)
+
+
 def rules(stops=(), single_tool_call=False, cap=1000):
-    return StreamRules(Meter(cap), stops, single_tool_call)
+    return ChatRelay(Meter(cap), stops, single_tool_call)
 
 
 def feed_pieces(pieces):
@@ -138,14 +155,15 @@ def test_running_usage_on_a_chunk_with_choices_is_counted_and_stripped():
 
 def test_the_usage_only_chunk_is_held_for_the_end():
     r = rules()
-    usage_chunk = b'{"id":"c","choices":[],"usage":{"prompt_tokens":1,"completion_tokens":1}}'
+    usage_chunk = (b'{"id":"c","choices":[],"usage":{"prompt_tokens":1,"completion_tokens":1,'
+                   b'"total_tokens":2}}')
     assert r.apply(usage_chunk) is None
     assert r.usage_payload == usage_chunk and r.meter.reported["prompt_tokens"] == 1
-    # as sent, with only the cost added; or rewritten with Kiln's counts
-    assert r.usage_frame({}, Decimal("0.5"), as_sent=True) == frame(
-        usage_chunk[:-2] + b',"cost":0.5}}')
-    kiln = json.loads(r.usage_frame({"prompt_tokens": 3, "completion_tokens": 4,
-                                     "total_tokens": 7}, Decimal("0.01"), as_sent=False)[6:])
+    # as sent, with only the cost added, when it says what is billed; else rewritten with
+    # Kiln's counts
+    assert r.end(Usage(prompt=1, completion=1), Decimal("0.5")) == frame(
+        usage_chunk[:-2] + b',"cost":0.5}}') + frame(DONE)
+    kiln = json.loads(r.end(Usage(prompt=3, completion=4), Decimal("0.01")).split(b"\n\n")[0][6:])
     assert kiln["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7,
                              "cost": 0.01} and kiln["id"] == "c"
 
@@ -213,7 +231,7 @@ def test_the_budget_stops_the_chunk_that_would_pass_it():
     chunk = b'{"id":"c","created":1,"model":"m","choices":[{"index":0,"delta":{"content":"t"}}]}'
     assert r.apply(chunk) and r.apply(chunk)
     assert r.apply(chunk) is None and r.cut and r.meter.deltas == 2
-    end = json.loads(r.length_frame()[6:])
+    end = json.loads(r.end(Usage(), Decimal(0)).split(b"\n\n")[0][6:])
     assert end["choices"] == [{"index": 0, "delta": {}, "finish_reason": "length"}]
     assert (end["id"], end["model"]) == ("c", "m")
 

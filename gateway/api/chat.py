@@ -1,19 +1,20 @@
-"""``POST /v1/chat/completions``, the view: read the body, check the contract, hand it to the flow.
+"""``POST /v1/chat/completions``, the view: read the body, parse it with the chat codec, hand it
+to the flow.
 
-README "API" and docs/PARAMETERS.md are the contract; README gives the order: auth, validation,
-maintenance, admission, backend, relay, settlement (the last four in
-:mod:`gateway.flow.generation`).
+README "API" and docs/PARAMETERS.md are the contract; README gives the order: auth, validation
+(:mod:`gateway.dialects.chat`), maintenance, admission, backend, relay, settlement (the last
+four in :mod:`gateway.flow.life`).
 Reading and parsing the body are bounded in time and memory (:mod:`gateway.api.intake`).
 """
 from flask import Blueprint, current_app, g, request
 
-from ..flow import generation as completions
-from . import intake
-from ..ops import lifecycle as ops
-from .auth import require_key
-from ..errors import Forbidden, InvalidRequest, PayloadTooLarge
 from ..contract.json_body import parse_json_body
-from ..contract.validation import validate_chat
+from ..dialects.chat import CODEC
+from ..errors import Forbidden, InvalidRequest, PayloadTooLarge
+from ..flow.life import respond
+from ..ops import lifecycle
+from . import intake
+from .auth import require_key
 
 bp = Blueprint("chat", __name__)
 BODY_READ = "kiln.body_read"  # environ key: the whole body was read
@@ -25,12 +26,12 @@ def chat_completions():
     """Create a chat completion, metered and billed; JSON or an SSE stream."""
     services = current_app.extensions["kiln"]
     body, body_bytes = _read_body(services, current_app.extensions["kiln.parse_budget"])
-    chat = validate_chat(body, services.catalog, body_bytes)
+    chat = CODEC.parse(body, services.catalog, body_bytes)
     if not g.principal.may_use(chat.entry.id):
         raise Forbidden(f"This API key may not use model '{chat.entry.id}'.", param="model",
                         code="model_not_allowed")
-    ops.check_maintenance()
-    return completions.respond(services, g.principal, chat, request.environ)
+    lifecycle.check_maintenance()
+    return respond(services, g.principal, chat, CODEC, request.environ)
 
 
 def _read_body(services, budget):

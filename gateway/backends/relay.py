@@ -179,13 +179,14 @@ class UpstreamCall:
             upstream.close(self.response) if complete else upstream.shutdown(self.response)
 
 
-def keepalives_until_answered(call, gone, keepalive_s):
-    """Yield ``: keepalive`` comments until the backend has answered (or failed).
+def keepalives_until_answered(call, gone, keepalive_s, keepalive=KEEPALIVE):
+    """Yield ``keepalive`` (the dialect's bytes; ``: keepalive`` comments by default) until the
+    backend has answered (or failed).
 
     :raises ClientGone: the client left first.
     """
     while not call.wait(keepalive_s, gone):
-        yield KEEPALIVE
+        yield keepalive
 
 
 class Pump:
@@ -228,13 +229,14 @@ class Pump:
             self.queue.put_nowait((FAILED, reason))
 
 
-def relay_stream(pump, apply, tick, keepalive_s, idle_s, max_event_bytes):
+def relay_stream(pump, apply, tick, keepalive_s, idle_s, max_event_bytes, keepalive=KEEPALIVE):
     """Yield the client's bytes for a backend's event stream until it ends.
 
     :param apply: ``list of data payloads -> (bytes to send, stop)``; ``stop`` ends the relay
         after those bytes (the generation reached its budget); raising ends the stream.
     :param tick: ``() -> None`` called between reads (may raise to stop the relay).
-    :param keepalive_s: seconds of silence before a ``: keepalive`` comment.
+    :param keepalive_s: seconds of silence before ``keepalive`` (bytes; a ``: keepalive``
+        comment by default).
     :param idle_s: seconds of backend silence after which the stream fails as a timeout.
     :returns: the bytes of an unfinished event when the backend closed the stream (empty
         when it ended cleanly or the relay stopped).
@@ -255,7 +257,7 @@ def relay_stream(pump, apply, tick, keepalive_s, idle_s, max_event_bytes):
                 raise StreamFailed(f"The model backend sent nothing for {idle_s:g} s (idle "
                                    f"timeout).", kind="timeout") from None
             if now >= next_keepalive:
-                yield KEEPALIVE
+                yield keepalive
                 next_keepalive = time.monotonic() + keepalive_s
             continue
         if kind is EOF:

@@ -1,10 +1,9 @@
 """How a generation ends: one table from what ended it to the usage event's status, the HTTP
 status the client got, and the error code.
 
-The flow (:mod:`gateway.flow.generation`) asks :func:`outcome_for` once, in its one ``finally``;
+The flow (:mod:`gateway.flow.life`) asks :func:`outcome_for` once, in its one ``finally``;
 nothing else decides a status.
 """
-import json
 import logging
 from dataclasses import dataclass
 
@@ -13,7 +12,7 @@ from ..endings import (CLIENT_CLOSED, IDLE_TIMEOUT, INTERNAL_ERROR, LEASE_EXPIRE
 from ..errors import (GatewayError, InternalError, ServiceUnavailable, ShuttingDown,
                       UpstreamError, UpstreamRejected, UpstreamTimeout)
 from ..backends.relay import ClientGone, StreamFailed
-from ..backends.sse import DONE, frame
+from ..backends.sse import DONE
 
 log = logging.getLogger("kiln.requests")
 
@@ -91,8 +90,9 @@ def check_complete(rules, unfinished):
     raise StreamFailed("The model backend ended the stream before it was complete.")
 
 
-def error_event(outcome, exc):
-    """Return the one SSE event that ends a failed stream: the error envelope, no ``[DONE]``.
+def stream_error(outcome, exc):
+    """Return the error that ends a failed stream, for its codec to render as the dialect's last
+    event (never a stream that looks complete).
 
     Kiln's own decision to end it (a :class:`GatewayError` such as ``ShuttingDown``) is told in
     its own words; a failure of Kiln's is logged and told as one; the rest are the backend's.
@@ -105,4 +105,4 @@ def error_event(outcome, exc):
     else:
         error = UpstreamError(outcome.message or "The model backend failed mid-stream.")
     error.code = outcome.code  # the outcome's, even none: the table decided it
-    return frame(json.dumps(error.envelope()).encode())
+    return error

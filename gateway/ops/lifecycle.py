@@ -122,6 +122,6 @@ def end_generations(app):
     live = list(app.extensions["kiln"].live)
     if live:
         log.warning("graceful timeout near: ending %d running generation(s)", len(live))
-    for gen in live:
-        gen.interrupt(ShuttingDown())
+    for exchange in live:
+        exchange.interrupt(ShuttingDown())
     return len(live)

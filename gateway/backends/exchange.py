@@ -1,0 +1,174 @@
+"""The backend side of one generation: the tries (:meth:`gateway.backends.fleet.Route.open`), the
+call in flight, the client watch, the pump that reads a stream, and whether the backend's answer
+was taken (what it produced is then billed).
+
+The flow (:mod:`gateway.flow`) owns the money side and drives this object through its methods;
+nothing here knows about money or the client's dialect. The body each backend gets is built by
+the flow and handed in as ``build_body(backend) -> bytes``.
+"""
+import time
+
+import gevent
+
+from . import upstream
+from .relay import ClientGone, ClientWatch, Pump, UpstreamCall, keepalives_until_answered
+
+
+class Exchange:
+    """One generation's traffic with the backends, from the first try to the last byte.
+
+    :param services: the app's collaborators (``session``, ``metrics``, ``live``).
+    :param route: the :class:`~gateway.backends.fleet.Route` holding a backend slot.
+    :param timeouts: the model's :class:`~gateway.contract.catalog.Timeouts` (seconds).
+    :param build_body: ``backend -> bytes``, the JSON body that backend is sent.
+    :param stream: ask for an event stream (and watch the client while it is waited for).
+    :param sock: the client's socket (``environ["gunicorn.socket"]``), or None.
+    """
+
+    def __init__(self, services, route, timeouts, build_body, stream, sock):
+        self.services, self.route, self.timeouts = services, route, timeouts
+        self._build_body, self._stream = build_body, stream
+        self.watch = ClientWatch(sock) if stream else None
+        self.call = self.pump = None
+        self.accepted = False   # the backend's answer was taken: what it produced is billed
+        self._keep_alive = False  # the reply was read to its end: keep the connection
+        self._greenlet = gevent.getcurrent()
+        services.live.add(self)
+
+    @property
+    def backend(self):
+        """The backend tried last: the one that served, once one answered."""
+        return self.route.backend
+
+    @property
+    def attempts(self):
+        """Every backend URL tried, in order (the usage event's ``attempts``)."""
+        return self.route.tried
+
+    # -- a whole reply -------------------------------------------------------------------------
+
+    def send_and_read(self, parse):
+        """Send the request from this greenlet and return ``parse(body)`` of the 2xx reply's whole
+        body (non-stream); the answer is taken once it parses. A reply that breaks off (a reset,
+        the idle timeout) is retried on another backend like a failure before its status line:
+        nothing of it reached the client, and it is not billed (docs/ROUTING.md).
+
+        :raises GatewayError: every try failed, or ``parse`` refused the reply.
+        """
+        sent = time.monotonic()
+        try:
+            raw = self.route.open(self._try_whole, self._first_timeouts())
+        finally:
+            self._observe_answer(sent)
+        parsed = parse(raw)
+        self.accepted = True
+        return parsed
+
+    def _try_whole(self, backend, timeouts_s):
+        resp = self._try(backend, timeouts_s)
+        upstream.set_read_timeout(resp, self.timeouts.idle_s)
+        try:
+            raw = upstream.read_whole(resp, self.services.config.max_reply_bytes)
+        except BaseException:
+            upstream.shutdown(resp)
+            raise
+        upstream.close(resp)
+        return raw
+
+    # -- a stream ------------------------------------------------------------------------------
+
+    def send(self):
+        """Send the request from its own greenlet; a client that leaves meanwhile aborts it."""
+        self.call = UpstreamCall(self._open)
+        self.watch.on_gone(self._client_gone)
+
+    def wait(self, timeout_s):
+        """Wait up to ``timeout_s`` for the backend's status line; return whether it answered.
+
+        :raises ClientGone: the client left first.
+        """
+        return self.call.wait(timeout_s, self.watch.gone)
+
+    def keepalives(self, keepalive_s, keepalive):
+        """Yield ``keepalive`` (bytes) every ``keepalive_s`` until the backend answers.
+
+        :raises ClientGone: the client left first.
+        """
+        return keepalives_until_answered(self.call, self.watch.gone, keepalive_s, keepalive)
+
+    def answer(self):
+        """Return the call's 2xx response (raise its error), counting the backend's latency;
+        from now on each read waits up to the idle timeout."""
+        try:
+            resp = self.call.result()
+            upstream.set_read_timeout(resp, self.timeouts.idle_s)
+            return resp
+        finally:
+            self._observe_answer(self.call.sent_at)
+
+    def take(self, resp):
+        """Take the answer ``resp``: what the backend produces from now on is billed. Return the
+        :class:`~gateway.backends.relay.Pump` that reads its body."""
+        self.accepted = True
+        self.pump = Pump(resp, self.timeouts.idle_s)
+        return self.pump
+
+    def finish(self, keep_connection):
+        """The relay is over: stop the backend now (a generation Kiln cut stops generating);
+        a reply read to its end (``keep_connection``) gives its connection back to the pool."""
+        self._keep_alive = keep_connection
+        self._abort()
+
+    # -- both ----------------------------------------------------------------------------------
+
+    def _first_timeouts(self):
+        return self.timeouts.connect_s, self.timeouts.first_byte_s
+
+    def _open(self):
+        return self.route.open(self._try, self._first_timeouts())
+
+    def _try(self, backend, timeouts_s):
+        resp = upstream.open_chat(self.services.session, backend, self._build_body(backend),
+                                  timeouts_s)
+        return upstream.event_stream(resp) if self._stream else resp
+
+    def _observe_answer(self, sent):
+        """Count the time from sending to the backend's answer (a stream's status line, a
+        whole non-stream reply, or the failure)."""
+        m = self.services.metrics
+        m.child(m.upstream_latency, self.route.entry.id).observe(time.monotonic() - sent)
+
+    def _client_gone(self):
+        if self.pump is not None:
+            self.pump.stop(reason=ClientGone())  # the relay wakes and ends as cancelled
+        self._abort()  # the model server stops generating
+
+    def _abort(self):
+        """Stop reading the backend, then close its request (the model stops generating)."""
+        if self.pump is not None:
+            self.pump.stop()  # first: closing a response inside another greenlet's read fails
+        if self.call is not None:
+            self.call.close(complete=self._keep_alive)
+
+    def count_tokens(self, text):
+        """The serving backend's tokenizer count of ``text``, or None (none, or no answer in
+        time)."""
+        return upstream.count_tokens(self.services.session, self.backend, text)
+
+    def interrupt(self, reason):
+        """End this generation early with ``reason`` (an exception; see
+        :func:`gateway.ops.lifecycle.end_generations`): a relaying stream ends with an error
+        event, anything else gets it raised where it waits. It is settled as any generation is."""
+        if self.pump is not None:
+            self.pump.stop(reason=reason)
+        else:
+            self._greenlet.kill(reason, block=False)
+
+    def close(self):
+        """Stop watching the client, stop the backend (unless its reply was read to its end)
+        and give the backend slot back. Called once, by the flow's ``finally``."""
+        self.services.live.discard(self)
+        if self.watch is not None:
+            self.watch.stop()
+        self._abort()
+        self.route.release()

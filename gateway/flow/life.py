@@ -1,0 +1,113 @@
+"""One generation's life: admit, send it to a backend, relay the answer (JSON or an event
+stream), settle; blind to the client's dialect, whose codec renders what the client reads.
+
+The request flows one way (README, "Layout"): a view (:mod:`gateway.api`) parses the client's
+body with its dialect's codec (:mod:`gateway.dialects`) into Kiln's canonical request and calls
+:func:`respond`; this module admits it (:func:`gateway.flow.generation.admit`), then builds the
+two sides of the generation: the money (:class:`~gateway.flow.generation.Generation`) and the
+backend traffic (:class:`~gateway.backends.exchange.Exchange`), and runs one of the answer's
+two paths (:mod:`gateway.flow.answers`). A generation is settled in exactly one place, the
+``finally`` of :func:`_life`, with the outcome :func:`gateway.flow.outcomes.outcome_for` gives.
+"""
+from dataclasses import dataclass, field
+
+from flask import Response
+
+from ..backends.exchange import Exchange
+from ..backends.fleet import Route
+from ..backends.relay import ClientGone, guard_writes
+from ..backends.upstream import encode_body
+from ..contract.parameters import upstream_body
+from ..endings import CLIENT_CLOSED
+from ..errors import GENERATION_HEADER, GatewayError
+from . import answers
+from .generation import Generation, admit
+from .outcomes import outcome_for, stream_error
+
+
+@dataclass(frozen=True)
+class Services:
+    """Per-app collaborators a generation needs after the request context is gone."""
+
+    config: object
+    engine: object
+    session: object
+    catalog: dict
+    metrics: object
+    ledger: object
+    live: set = field(default_factory=set)  # this worker's exchanges, until closed
+
+
+def respond(services, principal, request, codec, environ):
+    """Admit ``request`` and return the Flask response that relays its answer in ``codec``'s
+    dialect.
+
+    :param request: the canonical request (:class:`~gateway.contract.validation.ChatRequest`).
+    :param codec: the client's dialect (:mod:`gateway.dialects`): renders the JSON body, the
+        event stream and a failed stream's last event.
+    :param environ: the WSGI environ (the client's socket, its address).
+    :raises GatewayError: refused before any byte of the answer (402, 429, 502, 503, ...);
+        an admitted generation is settled before this is raised.
+    """
+    route = Route(services, request.entry, request.messages)
+    route.take(services.config.backend_wait_s)  # 503 when none is free, before any charge
+    try:
+        admission = admit(services, principal, request)
+    except BaseException:
+        route.release()
+        raise
+    sock = environ.get("gunicorn.socket")
+    exchange = Exchange(services, route, request.entry.timeouts_for(services.config),
+                        lambda backend: encode_body(upstream_body(request, backend)),
+                        request.stream, sock)
+    gen = Generation(services, principal, request, admission, exchange,
+                     environ.get("kiln.client_addr"))
+    if request.stream:
+        renderer = codec.stream_renderer(request)
+        path = answers.stream(gen, exchange, request, renderer)
+    else:
+        renderer, path = None, answers.complete(gen, exchange, request, codec)
+    life = _life(gen, exchange, path, renderer)
+    headers = {GENERATION_HEADER: gen.gid, **request.response_headers}
+    try:
+        head = next(life)
+    except GatewayError as err:
+        err.headers.update(headers)
+        raise
+    except ClientGone:  # settled as cancelled; nobody is left to read an answer
+        return Response(status=CLIENT_CLOSED, headers=headers)
+    body = guard_writes(life, sock, exchange.timeouts.idle_s)
+    return Response(body, status=head.status, content_type=head.content_type,
+                    headers={**headers, **head.headers})
+
+
+def _life(gen, exchange, path, renderer):
+    """Yield the response's head, then its body, from ``path`` (one of :mod:`.answers`);
+    settle exactly once, whatever ends it.
+
+    A completed path returns its last bytes (the JSON body; a stream's end) as a function of
+    the USD charged, instead of sending them: they go out once the settlement is handed to the
+    ledger, with the cost it debits (docs/METERING.md, "When the usage event is final"). A
+    failed stream's last bytes are its error event, in the dialect of ``renderer``.
+    """
+    ending, last, head_sent = None, None, False
+    try:
+        head = next(path)
+        head_sent = True
+        yield head
+        last = yield from path
+    except BaseException as exc:  # noqa: BLE001 - the one place a generation ends
+        ending = exc
+        path.close()
+        if isinstance(exc, GeneratorExit) or not head_sent:
+            raise
+        if not isinstance(exc, ClientGone):  # nobody left to tell
+            event = renderer.error(stream_error(outcome_for(exc, stream_began=True), exc))
+            last = lambda _charged: event  # noqa: E731
+    finally:
+        try:
+            exchange.close()
+        finally:
+            gen.settle(outcome_for(ending, head_sent))
+    if last is not None:
+        yield last(gen.charged_usd)

@@ -1,0 +1,217 @@
+"""The rules Kiln owns in a generation's output, whatever the client's dialect: the budget (the
+meter), stop strings and the single-tool-call rule, applied to each chat chunk of a backend's
+stream or to a whole chat completion.
+
+A chunk that Kiln does not need to change keeps its ``data`` payload unchanged, byte for byte;
+Kiln changes only usage (a running usage member is removed; the usage-only chunk is held for
+the end, where the codec writes the billed usage), stop strings, and the single-tool-call rule.
+A stop cut or a dropped tool call re-serialises the chunk. What the client's dialect makes of
+the chunks is its codec's (:mod:`gateway.dialects`).
+"""
+import json
+
+from ..backends.sse import DONE, dumps, without_member
+
+
+class StopCutter:
+    """Cut generated text before the first stop string, across chunk boundaries.
+
+    Model servers may generate past ``stop``; Kiln enforces it (README, "Request contract").
+    Text that could be the start of a stop string is held back until the next delta decides.
+    """
+
+    def __init__(self, stops):
+        self.stops = stops
+        self._pending = {}
+        self.finished = set()
+
+    def feed(self, index, text):
+        """Return ``(text to emit, hit)`` for a content delta of choice ``index``."""
+        text = self._pending.pop(index, "") + text
+        cut = min((p for p in (text.find(s) for s in self.stops) if p >= 0), default=-1)
+        if cut >= 0:
+            self.finished.add(index)
+            return text[:cut], True
+        keep = self._held_suffix(text)
+        if keep:
+            self._pending[index] = text[-keep:]
+            text = text[:-keep]
+        return text, False
+
+    def flush(self, index):
+        """Return the text held back for choice ``index`` (its stream ended)."""
+        return self._pending.pop(index, "")
+
+    def _held_suffix(self, text):
+        best = 0
+        for stop in self.stops:
+            for k in range(min(len(stop) - 1, len(text)), best, -1):
+                if text.endswith(stop[:k]):
+                    best = k
+                    break
+        return best
+
+
+def cut_at_stop(text, stops):
+    """Return ``(text before the first stop string, whether one was found)``."""
+    cut = min((p for p in (text.find(s) for s in stops) if p >= 0), default=-1)
+    return (text[:cut], True) if cut >= 0 else (text, False)
+
+
+class StreamRules:
+    """Apply Kiln's rules to each backend data payload of a chat stream, counting it.
+
+    One ``json.loads`` per event; a chunk keeps its exact bytes unless Kiln changes it (a stop
+    cut, a dropped tool call, a usage member removed). Usage is Kiln's to tell: a usage-only
+    chunk is held (:attr:`usage_payload`) for the codec to write at the end with the billed usage;
+    a running
+    usage member on a chunk with choices is removed.
+
+    :param meter: :class:`gateway.flow.metering.Meter`; a chunk past its budget is not relayed and
+        sets :attr:`cut`.
+    :param stops: stop strings to enforce (may be empty).
+    :param single_tool_call: keep only the first tool call (``index`` 0).
+    """
+
+    def __init__(self, meter, stops, single_tool_call):
+        self.meter = meter
+        self.cutter = StopCutter(stops) if stops else None
+        self.single_tool_call = single_tool_call
+        self.usage_payload = None  # the backend's usage-only chunk, held for the end
+        self.indexes = set()       # choice indexes seen
+        self.done = False          # the backend sent [DONE]
+        self.error = None          # an error frame inside the stream, or a malformed event
+        self.chunk_id, self.created, self.model = None, 0, None  # for chunks a codec writes
+
+    @property
+    def cut(self):
+        """Kiln stopped the generation at its budget."""
+        return self.meter.cut
+
+    def _ended(self):
+        return self.meter.finished | (self.cutter.finished if self.cutter else set())
+
+    @property
+    def finished(self):
+        """Every choice seen carried a finish_reason (or was ended at a stop string)."""
+        return bool(self.indexes) and self.indexes <= self._ended()
+
+    def apply(self, payload):
+        """Return ``(payload to relay, its object)`` for a backend data ``payload`` (bytes), or
+        None to relay nothing. The returned payload is the backend's bytes when Kiln changed
+        nothing."""
+        if payload == DONE:
+            self.done = True
+            return None
+        try:
+            obj = json.loads(payload)
+        except ValueError:
+            obj = None
+        if not isinstance(obj, dict):
+            self.error = {"message": "the model backend sent an event that is not a JSON object"}
+            return None
+        if ("error" in obj or obj.get("object") == "error") and not obj.get("choices"):
+            # {"error": {...}} (vLLM, SGLang, llama.cpp) or a bare {"object": "error", ...}
+            self.error = obj.get("error") or obj
+            return None
+        if self.chunk_id is None:
+            self.chunk_id, self.created, self.model = (obj.get("id"), obj.get("created"),
+                                                       obj.get("model"))
+        if not self.meter.admit_chunk(obj):
+            return None  # past the budget: the caller ends the stream
+        return self._apply(obj, payload)
+
+    def _apply(self, obj, payload):
+        choices = obj.get("choices")
+        if not choices:
+            if obj.get("usage") is not None:
+                self.usage_payload = payload
+                return None
+            return payload, obj
+        rewritten = False
+        if isinstance(choices, list):
+            self.indexes.update(c.get("index", 0) for c in choices if isinstance(c, dict))
+            if self.cutter or self.single_tool_call:
+                rewritten = self._rewrite(obj, choices)
+                if not obj["choices"]:
+                    return None  # every choice of this chunk was already ended at a stop string
+        if "usage" in obj:  # running usage, asked for by Kiln: not the client's
+            stripped = None if rewritten else without_member(payload, b"usage")
+            if stripped is not None:
+                return stripped, obj
+            del obj["usage"]
+            rewritten = True
+        return (dumps(obj), obj) if rewritten else (payload, obj)
+
+    def open_choices(self):
+        """Return the indexes of the choices seen that no finish reason or stop string ended
+        (those Kiln's cut at the budget ends with ``finish_reason: "length"``)."""
+        return sorted(self.indexes - self._ended()) or [0]
+
+    def _rewrite(self, obj, choices):
+        """Apply stop strings and the single-tool-call rule; return whether anything changed."""
+        changed, kept = False, []
+        for choice in choices:
+            if not isinstance(choice, dict):
+                kept.append(choice)
+                continue
+            index = choice.get("index", 0)
+            if self.cutter and index in self.cutter.finished:
+                changed = True
+                continue  # Kiln already ended this choice at a stop string
+            delta = choice.get("delta")
+            if isinstance(delta, dict):
+                if self.cutter:
+                    changed |= self._cut(choice, delta, index)
+                if self.single_tool_call:
+                    changed |= _first_tool_call_only(delta)
+            kept.append(choice)
+        if changed:
+            obj["choices"] = kept
+        return changed
+
+    def _cut(self, choice, delta, index):
+        changed = False
+        content = delta.get("content")
+        if isinstance(content, str) and content:
+            text, hit = self.cutter.feed(index, content)
+            if hit:
+                delta["content"], choice["finish_reason"] = text, "stop"
+                return True
+            if text != content:
+                delta["content"], changed = text, True
+        if choice.get("finish_reason"):
+            rest = self.cutter.flush(index)
+            if rest:
+                delta["content"], changed = (delta.get("content") or "") + rest, True
+        return changed
+
+
+def _first_tool_call_only(container):
+    """Keep only the tool call of ``index`` 0; return whether ``container`` changed."""
+    calls = container.get("tool_calls")
+    if not isinstance(calls, list) or not calls:
+        return False
+    first = [c for c in calls if isinstance(c, dict) and c.get("index", 0) == 0]
+    if len(first) == len(calls):
+        return False
+    if first:
+        container["tool_calls"] = first
+    else:
+        del container["tool_calls"]
+    return True
+
+
+def apply_to_completion(obj, stops, single_tool_call):
+    """Apply stop strings and the single-tool-call rule to a non-stream chat completion."""
+    for choice in obj.get("choices") or []:
+        message = choice.get("message") if isinstance(choice, dict) else None
+        if not isinstance(message, dict):
+            continue
+        if stops and isinstance(message.get("content"), str):
+            message["content"], hit = cut_at_stop(message["content"], stops)
+            if hit:
+                choice["finish_reason"] = "stop"
+        calls = message.get("tool_calls")
+        if single_tool_call and isinstance(calls, list) and len(calls) > 1:
+            message["tool_calls"] = calls[:1]
