@@ -4,7 +4,8 @@ every chat-like codec's backend speaks.
 In: the client's body, checked against the contract (:func:`gateway.contract.validation.
 validate_chat`), is Kiln's canonical request as it is. Out: the backend's chat completion or
 chunks after Kiln's rules (:mod:`gateway.flow.rules`), with Kiln's usage and ``usage.cost``;
-errors in the OpenAI envelope (message, type, param, code: README, "API"). A codec renders; it never decides a status, a usage or a cost.
+errors in the OpenAI envelope (message, type, param, code: README, "API"). A codec renders; it
+never decides a status, a usage or a cost.
 """
 import json
 
