@@ -12,14 +12,17 @@ def create_app(config=None):
     :param config: a :class:`Config`, a mapping of Config field names, or None for the
         ``KILN_*`` environment.
     """
+    # The composition root: the one module that imports every layer.
     from .api import account, activity, auth, body_process, chat, cors, intake, openapi
-    from .contract import catalog
+    from .api import health as probes
+    from .api import models as model_list
     from .backends import fleet, health, upstream
-    from .ops import metrics, lifecycle as ops
-    from .flow.life import Services
+    from .contract import catalog
     from .db import create_engine
     from .errors import register_error_handlers
+    from .flow.life import Services
     from .ledger import Ledger, NullLedger
+    from .ops import lifecycle, metrics
     if not isinstance(config, Config):
         config = Config.from_mapping(config)
     app = Flask(__name__)
@@ -41,16 +44,16 @@ def create_app(config=None):
         "kiln.body_process": body_process.BodyProcess(config.models, config.max_body_bytes),
     })
     register_error_handlers(app)
-    for blueprint in (auth.bp, chat.bp, catalog.bp, account.bp, activity.bp):
+    for blueprint in (auth.bp, chat.bp, model_list.bp, account.bp, activity.bp):
         app.register_blueprint(blueprint, url_prefix="/v1")
-    app.register_blueprint(ops.bp)
+    app.register_blueprint(probes.bp)
     app.register_blueprint(openapi.bp)
     app.register_blueprint(activity.page)
     app.register_blueprint(metrics.bp)
 
     @app.before_request
     def _start_background():
-        ops.start_sweeper(app)
+        lifecycle.start_sweeper(app)
         health.start_prober(app)
         request.environ.setdefault("kiln.client_addr", client_address(config, request))
 

@@ -82,14 +82,14 @@ def test_log_level_and_streams_as_the_workers_apply_them(tmp_path):
         "requests.info('{\"event\": \"generation\"}')\n"
         "requests.warning('lease renewal failed')\n"
         "logging.getLogger('gunicorn.error').info('Booting worker')\n"
-        "logging.getLogger('gateway.ops.lifecycle').warning('readiness: database unreachable')\n")
+        "logging.getLogger('gateway.api.health').warning('readiness: database unreachable')\n")
     env = {**os.environ, "KILN_LOG_LEVEL": "warning",
            "PROMETHEUS_MULTIPROC_DIR": str(tmp_path / "metrics")}
     out = subprocess.run([sys.executable, "-c", script, str(GUNICORN_CONF)], env=env,
                          capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout == '{"event": "generation"}\n'
     assert "lease renewal failed" in out.stderr and "kiln.requests" in out.stderr
-    assert "gateway.ops.lifecycle: readiness: database unreachable" in out.stderr
+    assert "gateway.api.health: readiness: database unreachable" in out.stderr
     assert "Booting worker" not in out.stderr  # info, below KILN_LOG_LEVEL
 
 

@@ -14,23 +14,14 @@ from .auth import require_key
 from ..billing import from_nanos
 from ..db import storable_text
 from ..errors import InvalidRequest, NotFound
-from ..models import credit_balances, usage_events
+from ..ledger.operator import org_credits
+from ..models import usage_events
 from ..endings import Status
 
 bp = Blueprint("account", __name__)
 
 PENDING_WAIT_S = 0.05   # how long a pending event is read again before it is shown pending
 PENDING_POLL_S = 0.01
-
-
-def org_credits(engine, org_id):
-    """Return ``{"balance_usd", "held_usd", "available_usd", "in_flight"}`` (Decimal USD)."""
-    with engine.connect() as conn:
-        row = conn.execute(sa.select(credit_balances)
-                           .where(credit_balances.c.org_id == org_id)).first()
-    balance, held = (row.balance_nanos, row.held_nanos) if row else (0, 0)
-    return {"balance_usd": from_nanos(balance), "held_usd": from_nanos(held),
-            "available_usd": from_nanos(balance - held), "in_flight": row.in_flight if row else 0}
 
 
 @bp.get("/credits")

@@ -1,4 +1,5 @@
-"""API keys: creation, revocation, the ``Authorization: Bearer`` check on every API view, and
+"""API keys: the ``Authorization: Bearer`` check on every API view (keys are created and revoked
+by :mod:`gateway.ledger.keys`, whose names this module also offers its callers), and
 the ``auth`` blueprint beside it: ``GET /v1/key`` (the calling key) and ``GET /v1/keys`` (the
 org's keys), whose rows and limits are read by :mod:`gateway.ledger.keys`.
 
@@ -18,10 +19,8 @@ hosts write it about once per interval between them), in a greenlet of its own: 
 neither waits for it nor fails with it; a failed write is logged.
 """
 import functools
-import hashlib
 import logging
 import re
-import secrets
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -32,14 +31,13 @@ from flask import Blueprint, current_app, g, jsonify, request
 
 from ..db import utcnow
 from ..errors import Forbidden, Unauthorized
-from ..ledger.keys import key_by_id, key_view, org_keys
+from ..ledger.keys import (KEY_PREFIX, PREFIX_LEN, create_key, hash_key,  # noqa: F401
+                           key_by_id, key_view, org_keys, revoke_key)
 from ..models import api_keys, orgs
 
 bp = Blueprint("auth", __name__)
 log = logging.getLogger("kiln.auth")
 
-KEY_PREFIX = "kiln-"
-PREFIX_LEN = 12  # "kiln-" plus 7 random characters: enough to tell keys apart in logs
 _CACHE_MAX = 10_000
 UNKNOWN_KEY_DELAY_S = 0.5
 # What create_key can produce ("kiln-" + token_urlsafe(32): 48 characters of the URL-safe
@@ -70,33 +68,6 @@ class Principal:
     def may_use(self, model_id):
         """Tell whether the key's allow-list admits ``model_id``."""
         return not self.allowed_models or model_id in self.allowed_models
-
-
-def hash_key(key):
-    """Return the hex SHA-256 of ``key``."""
-    return hashlib.sha256(key.encode()).hexdigest()
-
-
-def create_key(conn, org_id, name=None, allowed_models=None, **limits):
-    """Create a key for ``org_id`` and return it in clear (the only time it exists in clear).
-
-    :param allowed_models: iterable of public model ids, or None for every model.
-    :param limits: ``limit_usd`` (Decimal USD), ``limit_reset`` (``daily``, ``weekly``,
-        ``monthly``), ``rpm_limit`` (requests per minute); absent or None: no limit.
-    """
-    key = KEY_PREFIX + secrets.token_urlsafe(32)
-    conn.execute(api_keys.insert().values(
-        org_id=org_id, prefix=key[:PREFIX_LEN], key_hash=hash_key(key), name=name,
-        allowed_models=" ".join(sorted(allowed_models)) if allowed_models else None, **limits))
-    return key
-
-
-def revoke_key(conn, prefix):
-    """Revoke the key with display ``prefix``; return whether one was revoked."""
-    result = conn.execute(api_keys.update()
-                          .where(api_keys.c.prefix == prefix, api_keys.c.revoked_at.is_(None))
-                          .values(revoked_at=utcnow()))
-    return result.rowcount == 1
 
 
 def lookup(engine, key, default_limit):

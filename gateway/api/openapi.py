@@ -10,50 +10,11 @@ Rules that depend on the model (``max_tokens`` at most its max output, image par
 from flask import Blueprint, current_app, jsonify
 
 from ..endings import Status
+from .openapi_common import DECIMAL_USD, error_responses, get_operation, json_response
+from .openapi_keys import key_paths, key_schemas
 from .openapi_request import nullable, ref, request_schemas
 
 bp = Blueprint("openapi", __name__)
-
-DECIMAL_USD = {"type": "string", "pattern": r"^-?[0-9]+(\.[0-9]+)?$",
-               "description": "Exact USD amount as a decimal string."}
-
-# Error ``type`` and the ``code`` values each status can carry (errors.py and README, "API").
-ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
-               402: "insufficient_quota", 403: "permission_error", 404: "invalid_request_error",
-               413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
-               503: "service_unavailable"}
-ERROR_CODES = {
-    400: ["invalid_json", "invalid_content_type", "missing_required_parameter", "invalid_type",
-          "invalid_value", "empty_array", "unsupported_parameter", "upstream_rejected",
-          "incomplete_body", "context_length_exceeded", "unknown_parameter",
-          "invalid_image_url"],
-    401: ["invalid_api_key"],
-    402: ["insufficient_credits", "key_limit_exceeded"],
-    403: ["key_revoked", "org_suspended", "model_not_allowed"],
-    404: ["model_not_found", "not_found"],
-    413: ["request_too_large"],
-    429: ["rate_limit_exceeded"],
-    500: ["internal_error"],
-    503: ["maintenance", "no_backend_available", "backends_at_capacity", "service_unavailable",
-          "database_unavailable", "database_busy"],
-}
-ERROR_WHY = {
-    400: "Invalid request: malformed JSON, a wrong type or range, an empty `messages` "
-         "(`empty_array`), a parameter the model cannot honour (`unsupported_parameter`), or "
-         "the model server rejected it (`upstream_rejected`). Fix the payload; do not retry.",
-    401: "Missing or unknown API key.",
-    402: "The organization's available credits, or the key's spend limit "
-         "(`key_limit_exceeded`), do not cover the request's hold.",
-    403: "Revoked key, suspended organization, or a model outside the key's allow-list.",
-    404: "Not found; for chat completions the model is not in the catalog.",
-    413: "Request body over the size limit; refused from Content-Length before it is read.",
-    429: "The organization has its limit of requests in flight, or the key its requests per "
-         "minute. No rate-limit headers.",
-    500: "Unexpected error inside Kiln.",
-    502: "The model backend returned an error or was unreachable. Plain-text body.",
-    503: "Maintenance mode (with Retry-After), or no model backend available.",
-}
-
 
 @bp.get("/openapi.json")
 def openapi_json():
@@ -66,7 +27,6 @@ def build_document(max_body_bytes):
 
     :param max_body_bytes: the request body limit in force (stated in the 413 description).
     """
-    from .openapi_keys import key_paths, key_schemas  # it builds on this module's helpers
     return {
         "openapi": "3.1.0",
         "jsonSchemaDialect": "https://json-schema.org/draft/2020-12/schema",
@@ -84,7 +44,7 @@ def build_document(max_body_bytes):
 # -- paths ---------------------------------------------------------------------------------------
 
 def _paths(max_body_bytes):
-    chat_errors = _errors(400, 401, 402, 403, 404, 413, 429, 500, 502, 503)
+    chat_errors = error_responses(400, 401, 402, 403, 404, 413, 429, 500, 502, 503)
     chat_errors["413"]["description"] += f" The limit is {max_body_bytes} bytes."
     return {
         "/v1/chat/completions": {"post": {
@@ -93,20 +53,21 @@ def _paths(max_body_bytes):
             "requestBody": {"required": True, "content": {"application/json": {
                 "schema": ref("ChatCompletionRequest")}}},
             "responses": {"200": _chat_ok(), **chat_errors}}},
-        "/v1/models": {"get": _get("listModels", "List the catalog's public models.",
-                                   "ModelList", _errors(401, 403))},
-        "/v1/credits": {"get": _get("getCredits", "Show the organization's credits.",
-                                    "Credits", _errors(401, 403))},
+        "/v1/models": {"get": get_operation("listModels", "List the catalog's public models.",
+                                   "ModelList", error_responses(401, 403))},
+        "/v1/credits": {"get": get_operation("getCredits", "Show the organization's credits.",
+                                    "Credits", error_responses(401, 403))},
         "/v1/generation": {"get": {
-            **_get("getGeneration", "Show one of the organization's usage events.",
-                   "Generation", _errors(400, 401, 403, 404)),
+            **get_operation("getGeneration", "Show one of the organization's usage events.",
+                   "Generation", error_responses(400, 401, 403, 404)),
             "parameters": [{"name": "id", "in": "query", "required": True,
                             "description": "The X-Neocloud-Generation-Id of a response.",
                             "schema": {"type": "string"}}]}},
-        "/healthz": {"get": {**_get("healthz", "Liveness: 200 while the process runs.",
+        "/healthz": {"get": {**get_operation("healthz", "Liveness: 200 while the process runs.",
                                     "Health", {}), "security": []}},
-        "/readyz": {"get": {**_get("readyz", "Readiness: database reachable, catalog loaded.",
-                                   "Ready", {"503": _json_response("Not ready.", "Ready")}),
+        "/readyz": {"get": {**get_operation("readyz",
+                                            "Readiness: database reachable, catalog loaded.",
+                                            "Ready", {"503": json_response("Not ready.", "Ready")}),
                             "security": []}},
         "/openapi.json": {"get": {"operationId": "openapi", "security": [],
                                   "summary": "This document.",
@@ -114,16 +75,6 @@ def _paths(max_body_bytes):
                                                         "content": {"application/json": {
                                                             "schema": {"type": "object"}}}}}}},
     }
-
-
-def _get(operation_id, summary, schema, errors):
-    return {"operationId": operation_id, "summary": summary,
-            "responses": {"200": _json_response("OK.", schema), **errors}}
-
-
-def _json_response(description, schema):
-    return {"description": description,
-            "content": {"application/json": {"schema": ref(schema)}}}
 
 
 def _chat_ok():
@@ -155,28 +106,6 @@ def _sse_event():
 def _generation_header():
     return {"description": "The id of this request's usage event (GET /v1/generation).",
             "schema": {"type": "string"}}
-
-
-def _errors(*statuses):
-    out = {}
-    for status in statuses:
-        if status == 502:
-            out["502"] = {"description": ERROR_WHY[502],
-                          "content": {"text/plain": {"schema": {"type": "string"}}}}
-            continue
-        response = {"description": ERROR_WHY[status], "content": {"application/json": {
-            "schema": {"allOf": [ref("ErrorResponse"), _error_codes(status)]}}}}
-        if status == 503:
-            response["headers"] = {"Retry-After": {
-                "description": "Seconds to wait (maintenance mode; a backend at capacity).",
-                "schema": {"type": "string"}}}
-        out[str(status)] = response
-    return out
-
-
-def _error_codes(status):
-    return {"properties": {"error": {"properties": {
-        "type": {"const": ERROR_TYPES[status]}, "code": {"enum": ERROR_CODES[status]}}}}}
 
 
 # -- responses -----------------------------------------------------------------------------------

@@ -1,20 +1,21 @@
 """The OpenAPI paths and schemas of keys and activity (``GET /v1/key``, ``GET /v1/keys``,
 ``GET /v1/activity``), merged into the document by :func:`gateway.api.openapi.build_document`."""
-from .openapi import DECIMAL_USD, _errors, _get
+from .openapi_common import DECIMAL_USD, error_responses, get_operation
 from .openapi_request import ref
 
 
 def key_paths():
     """Return the ``paths`` entries of the key and activity endpoints."""
     return {
-        "/v1/key": {"get": _get("getKey", "Show the calling key: limits, usage this period, "
-                                "remaining, rate limit, created and last-used times.", "Key",
-                                _errors(401, 403))},
-        "/v1/keys": {"get": _get("listKeys", "List the organization's keys (no secrets).",
-                                 "KeyList", _errors(401, 403))},
+        "/v1/key": {"get": get_operation("getKey", "Show the calling key: limits, usage this "
+                                "period, remaining, rate limit, created and last-used times.",
+                                "Key",
+                                error_responses(401, 403))},
+        "/v1/keys": {"get": get_operation("listKeys", "List the organization's keys (no secrets).",
+                                 "KeyList", error_responses(401, 403))},
         "/v1/activity": {"get": {
-            **_get("getActivity", "The organization's usage by UTC day, model and key, for "
-                   "the last 30 days or one date.", "Activity", _errors(400, 401, 403)),
+            **get_operation("getActivity", "The organization's usage by UTC day, model and key, "
+                   "for the last 30 days or one date.", "Activity", error_responses(400, 401, 403)),
             "parameters": [{"name": "date", "in": "query", "required": False,
                             "description": "One UTC day, YYYY-MM-DD (default: the last 30 "
                                            "days, today included). Anything else is a 400 "

@@ -1,4 +1,5 @@
-"""Model catalog: the TOML file named by ``KILN_MODELS``, and ``GET /v1/models``.
+"""Model catalog: the TOML file named by ``KILN_MODELS`` (``GET /v1/models`` shows its public
+part: :mod:`gateway.api.models`).
 
 Each entry gives a public model id, limits, input modalities, capabilities, prices (USD per
 million tokens, kept as exact decimals), backends (base URL + upstream model name + weight +
@@ -11,18 +12,12 @@ from dataclasses import dataclass, field
 from decimal import Decimal
 from functools import cached_property
 
-from flask import Blueprint, current_app, jsonify
-
-from ..api.auth import require_key
 from ..billing import NANOS_PER_USD
 from .families import FAMILIES
 from .images import DEFAULT_SOURCES, SOURCES
 from ..backends.health import BackendState
 from .parameters import PARAMETERS
 from ..backends.routing import LOAD_BOUND, POLICIES, WEIGHTED
-
-bp = Blueprint("models", __name__)
-
 
 @dataclass(frozen=True)
 class Timeouts:
@@ -208,15 +203,3 @@ def _check_fleet(entry):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise CatalogError(f"catalog entry {entry.id!r}: backend {backend.url}: {name} "
                                    f"must be a whole number, 0 or more")
-
-
-def catalog():
-    """Return the current app's catalog mapping."""
-    return current_app.extensions["kiln.catalog"]
-
-
-@bp.get("/models")
-@require_key
-def list_models():
-    """List the public models of the catalog (OpenAI list shape)."""
-    return jsonify({"object": "list", "data": [m.public() for m in catalog().values()]})

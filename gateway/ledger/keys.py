@@ -8,6 +8,8 @@ all time when it never resets) plus the holds of its requests in flight; admissi
 settlement; a period that has ended but not yet seen a request still shows its old spend in the
 row, so the views here count it as 0.
 """
+import hashlib
+import secrets
 from dataclasses import dataclass
 from datetime import timezone
 from decimal import Decimal
@@ -26,6 +28,37 @@ _COLUMNS = (api_keys.c.id, api_keys.c.prefix, api_keys.c.name, api_keys.c.create
             api_keys.c.revoked_at, api_keys.c.last_used_at, api_keys.c.limit_usd,
             api_keys.c.limit_reset, api_keys.c.period_start, api_keys.c.period_spent_nanos,
             api_keys.c.held_nanos, api_keys.c.rpm_limit)
+
+
+KEY_PREFIX = "kiln-"
+PREFIX_LEN = 12  # "kiln-" plus 7 random characters: enough to tell keys apart in logs
+
+
+def hash_key(key):
+    """Return the hex SHA-256 of ``key``."""
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def create_key(conn, org_id, name=None, allowed_models=None, **limits):
+    """Create a key for ``org_id`` and return it in clear (the only time it exists in clear).
+
+    :param allowed_models: iterable of public model ids, or None for every model.
+    :param limits: ``limit_usd`` (Decimal USD), ``limit_reset`` (``daily``, ``weekly``,
+        ``monthly``), ``rpm_limit`` (requests per minute); absent or None: no limit.
+    """
+    key = KEY_PREFIX + secrets.token_urlsafe(32)
+    conn.execute(api_keys.insert().values(
+        org_id=org_id, prefix=key[:PREFIX_LEN], key_hash=hash_key(key), name=name,
+        allowed_models=" ".join(sorted(allowed_models)) if allowed_models else None, **limits))
+    return key
+
+
+def revoke_key(conn, prefix):
+    """Revoke the key with display ``prefix``; return whether one was revoked."""
+    result = conn.execute(api_keys.update()
+                          .where(api_keys.c.prefix == prefix, api_keys.c.revoked_at.is_(None))
+                          .values(revoked_at=utcnow()))
+    return result.rowcount == 1
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@
 """
 import sqlalchemy as sa
 
+from ..billing import from_nanos
 from ..models import (api_keys, credit_balances, credit_grants, in_flight, orgs, usage_daily,
                       usage_events)
 from ..endings import Status
@@ -88,3 +89,13 @@ def _per_org(table, where=None, **columns):
 
 def _count_if(condition):
     return sa.func.sum(sa.case((condition, 1), else_=0))
+
+
+def org_credits(engine, org_id):
+    """Return ``{"balance_usd", "held_usd", "available_usd", "in_flight"}`` (Decimal USD)."""
+    with engine.connect() as conn:
+        row = conn.execute(sa.select(credit_balances)
+                           .where(credit_balances.c.org_id == org_id)).first()
+    balance, held = (row.balance_nanos, row.held_nanos) if row else (0, 0)
+    return {"balance_usd": from_nanos(balance), "held_usd": from_nanos(held),
+            "available_usd": from_nanos(balance - held), "in_flight": row.in_flight if row else 0}

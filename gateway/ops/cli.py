@@ -13,9 +13,7 @@ from decimal import Decimal
 import click
 import sqlalchemy as sa
 
-from ..api import auth
 from . import lifecycle as ops
-from ..api.account import org_credits
 from ..contract.catalog import load_catalog
 from .cli_catalog import catalog
 from .cli_db import db, pass_ctx
@@ -24,7 +22,8 @@ from .cli_keys import (LIST_COLUMNS, POSITIVE_INTEGER, limit_changes, limit_opti
 from ..config import Config
 from ..db import create_engine, is_postgres, storable_text, utcnow
 from ..ledger import Ledger
-from ..ledger.operator import GRANT
+from ..ledger import keys
+from ..ledger.operator import GRANT, org_credits
 from ..ledger.keys import org_keys, set_limits
 from ..models import api_keys, credit_balances, orgs
 from ..ledger.reconcile import format_table, reconcile
@@ -184,10 +183,10 @@ def key_create(ctx, org_ref, label, models, limit_text, reset, rpm):
     org_id = find_org(ctx.engine, org_ref)
     allowed = [m.strip() for m in models.split(",") if m.strip()] if models else None
     with ctx.engine.begin() as conn:
-        secret = auth.create_key(conn, org_id, name=label, allowed_models=allowed,
+        secret = keys.create_key(conn, org_id, name=label, allowed_models=allowed,
                                  limit_usd=limit, limit_reset=None if reset == "never" else reset,
                                  rpm_limit=rpm)
-    click.echo(f"# key prefix {secret[:auth.PREFIX_LEN]}; store the key now, it is not kept",
+    click.echo(f"# key prefix {secret[:keys.PREFIX_LEN]}; store the key now, it is not kept",
                err=True)
     click.echo(secret)
 
@@ -223,7 +222,7 @@ def key_list(ctx, org_ref):
 def key_revoke(ctx, prefix):
     """Revoke the key whose display prefix is PREFIX."""
     with ctx.engine.begin() as conn:
-        if not auth.revoke_key(conn, prefix):
+        if not keys.revoke_key(conn, prefix):
             raise click.ClickException(f"no active key with prefix {prefix!r}")
     click.echo(f"revoked {prefix}")
 

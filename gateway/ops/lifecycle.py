@@ -1,4 +1,5 @@
-"""Operations: health and readiness probes, maintenance mode, the background sweeper.
+"""Operations around the requests: maintenance mode, the background sweeper, draining and ending
+a worker's generations at shutdown.
 
 Maintenance mode is a row in the ``maintenance`` table (``kiln maintenance on|off``); every
 worker re-reads it every ``KILN_MAINTENANCE_POLL_S`` seconds, so it takes effect within
@@ -9,35 +10,13 @@ import time
 
 import gevent
 import sqlalchemy as sa
-from flask import Blueprint, current_app, jsonify
+from flask import current_app
 
 from ..db import utcnow
 from ..errors import ServiceUnavailable, ShuttingDown
 from ..models import maintenance
 
 log = logging.getLogger(__name__)
-bp = Blueprint("ops", __name__)
-
-
-@bp.get("/healthz")
-def healthz():
-    """Answer 200 while the process is alive."""
-    return jsonify({"status": "ok"})
-
-
-@bp.get("/readyz")
-def readyz():
-    """Answer 200 when the database answers and the catalog is loaded, else 503."""
-    services = current_app.extensions["kiln"]
-    try:
-        with services.engine.connect() as conn:
-            conn.execute(sa.text("SELECT 1"))
-    except sa.exc.SQLAlchemyError as err:
-        log.warning("readiness: database unreachable: %s", err)
-        return jsonify({"status": "unavailable", "database": "unreachable"}), 503
-    if not services.catalog:
-        return jsonify({"status": "unavailable", "catalog": "empty"}), 503
-    return jsonify({"status": "ok", "models": len(services.catalog)})
 
 
 def read_maintenance(engine):
