@@ -29,13 +29,13 @@ def create_app(config=None):
     app.config["KILN"] = config
     engine = create_engine(config)
     models, gauges = catalog.load_catalog(config.models), metrics.Metrics()
-    fleet.prepare(models, config)
+    states = fleet.prepare(models, config)
     # Chosen once: the benchmarks' unmetered baseline has no ledger at all (KILN_METERING).
     ledger = Ledger(create_engine(config, ledger=True), config, models, gauges) \
         if config.metering else NullLedger()
     services = Services(config=config, engine=engine,
                         session=upstream.create_session(config.upstream_pool_size),
-                        catalog=models, metrics=gauges, ledger=ledger)
+                        catalog=models, metrics=gauges, ledger=ledger, states=states)
     app.extensions.update({
         "kiln": services, "kiln.engine": engine, "kiln.catalog": services.catalog,
         "kiln.metrics": services.metrics, "kiln.key_cache": {}, "kiln.maintenance": {},

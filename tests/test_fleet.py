@@ -355,8 +355,9 @@ def test_a_connect_timeout_names_itself_and_is_retried_elsewhere(full_backlog, f
     from gateway.config import Config
     from gateway.backends.fleet import Route
     from gateway.ops.metrics import Metrics
+    from gateway.backends.health import BackendStates
     services = SimpleNamespace(config=Config.from_mapping({"slot_dir": str(tmp_path)}),
-                               metrics=Metrics())
+                               metrics=Metrics(), states=BackendStates())
     silent, alive = Backend(url=full_backlog, model="m"), Backend(url=fake.base_url, model="m")
     entry = SimpleNamespace(id="m", backends=(silent, alive), routing="weighted",
                             load_bound=1.5)
@@ -377,4 +378,4 @@ def test_a_connect_timeout_names_itself_and_is_retried_elsewhere(full_backlog, f
     assert resp.status_code == 200 and route.tried == [silent.url, alive.url]
     resp.close()
     route.release()
-    assert not silent.state.breaker.is_up(time.monotonic())  # out at once
+    assert not services.states[silent].breaker.is_up(time.monotonic())  # out at once

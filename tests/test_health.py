@@ -10,7 +10,9 @@ import requests
 
 from factories import UNREACHABLE_BACKEND
 from gateway.contract.catalog import Backend
-from gateway.backends.health import Breaker, BreakerPolicy, probe
+from gateway.backends.health import BackendStates, Breaker, BreakerPolicy, probe
+
+STATES = BackendStates()  # what the probe learns of each backend made here
 
 
 # -- circuit breaker -----------------------------------------------------------------------
@@ -47,8 +49,9 @@ def test_a_probe_that_cannot_connect_takes_the_backend_out_and_says_so(caplog):
     backend = Backend(url=UNREACHABLE_BACKEND, model="m")
     with caplog.at_level("WARNING", logger="gateway.backends.health"), \
             requests.Session() as session:
-        assert probe(session, backend, "/models", 5, BreakerPolicy(cooldown_s=5)) == "down"
-    assert not backend.state.breaker.is_up(time.monotonic())
+        assert probe(session, backend, STATES[backend].breaker, "/models", 5,
+                     BreakerPolicy(cooldown_s=5)) == "down"
+    assert not STATES[backend].breaker.is_up(time.monotonic())
     assert f"backend {UNREACHABLE_BACKEND} out of rotation for 5 s: probe could not connect " \
         "(ConnectionError)" in caplog.text
 
@@ -77,9 +80,11 @@ def test_a_probe_on_a_connection_the_server_dropped_tries_a_new_one(caplog):
     backend = Backend(url=f"http://127.0.0.1:{listener.getsockname()[1]}/v1", model="m")
     with caplog.at_level("WARNING", logger="gateway.backends.health"), \
             requests.Session() as session:
-        assert probe(session, backend, "/models", 5, BreakerPolicy()) == "up"
-        assert probe(session, backend, "/models", 5, BreakerPolicy()) == "up"
-    assert backend.state.breaker.is_up(time.monotonic()) and "out of rotation" not in caplog.text
+        assert probe(session, backend, STATES[backend].breaker, "/models", 5,
+                     BreakerPolicy()) == "up"
+        assert probe(session, backend, STATES[backend].breaker, "/models", 5,
+                     BreakerPolicy()) == "up"
+    assert STATES[backend].breaker.is_up(time.monotonic()) and "out of rotation" not in caplog.text
     assert len(connections) == 2
     listener.close()
 
@@ -127,15 +132,15 @@ def test_the_probe_never_brings_back_a_backend_whose_chat_requests_failed(answer
     """Its cool-down keeps growing: the probe leaves it open, then half-open; only a
     request's success closes it."""
     backend, session = answering
-    breaker = backend.state.breaker
+    breaker = STATES[backend].breaker
     breaker.failure(POLICY, request=True)
     before = time.monotonic()
     assert breaker.failure(POLICY, request=True)  # two 5xx in a row: open for 10 s
     after = time.monotonic()
-    assert probe(session, backend, "/models", 5, POLICY) == "failing"
+    assert probe(session, backend, STATES[backend].breaker, "/models", 5, POLICY) == "failing"
     assert breaker.state(time.monotonic()) == "open" and opened_for(breaker, before, after, 10)
     breaker.open_until = time.monotonic() - 1  # the cool-down ran out: half-open
-    assert probe(session, backend, "/models", 5, POLICY) == "failing"
+    assert probe(session, backend, STATES[backend].breaker, "/models", 5, POLICY) == "failing"
     assert breaker.state(time.monotonic()) == "half_open"
     before = time.monotonic()
     assert breaker.failure(POLICY, request=True)  # the one request let through failed
@@ -143,14 +148,14 @@ def test_the_probe_never_brings_back_a_backend_whose_chat_requests_failed(answer
     breaker.open_until = time.monotonic() - 1
     breaker.success()                             # the next one was answered
     assert breaker.state(time.monotonic()) == "closed" and breaker.openings == 0
-    assert probe(session, backend, "/models", 5, POLICY) == "up"
+    assert probe(session, backend, STATES[backend].breaker, "/models", 5, POLICY) == "up"
 
 
 def test_the_probe_does_not_wipe_a_count_of_failed_chat_requests(answering):
     backend, session = answering
-    breaker = backend.state.breaker
+    breaker = STATES[backend].breaker
     assert not breaker.failure(POLICY, request=True)
-    assert probe(session, backend, "/models", 5, POLICY) == "failing"
+    assert probe(session, backend, STATES[backend].breaker, "/models", 5, POLICY) == "failing"
     assert breaker.failure(POLICY, request=True)  # still two in a row
 
 
@@ -158,13 +163,13 @@ def test_the_probe_brings_back_a_backend_taken_out_as_unreachable(answering):
     """Refused connections (a request's or the probe's) mean the server was gone: the first
     probe it answers brings it back, its cool-down reset, even after its chat had failed."""
     backend, session = answering
-    breaker = backend.state.breaker
+    breaker = STATES[backend].breaker
     for _ in range(2):
         breaker.failure(POLICY, request=True)
     breaker.open_until = time.monotonic() - 1
     assert breaker.failure(POLICY, at_once=True)  # restarting: refused
     assert breaker.state(time.monotonic()) == "open"
-    assert probe(session, backend, "/models", 5, POLICY) == "up"
+    assert probe(session, backend, STATES[backend].breaker, "/models", 5, POLICY) == "up"
     assert breaker.state(time.monotonic()) == "closed" and breaker.openings == 0
 
 
@@ -188,9 +193,9 @@ def test_the_probe_brings_back_a_backend_its_own_failures_took_out():
     backend = Backend(url=f"http://127.0.0.1:{listener.getsockname()[1]}/v1", model="m")
     with requests.Session() as session:
         for _ in range(2):
-            assert probe(session, backend, "/models", 5, POLICY) == "down"
-        assert backend.state.breaker.state(time.monotonic()) == "open"
+            assert probe(session, backend, STATES[backend].breaker, "/models", 5, POLICY) == "down"
+        assert STATES[backend].breaker.state(time.monotonic()) == "open"
         failing.clear()
-        assert probe(session, backend, "/models", 5, POLICY) == "up"
-    assert backend.state.breaker.state(time.monotonic()) == "closed"
+        assert probe(session, backend, STATES[backend].breaker, "/models", 5, POLICY) == "up"
+    assert STATES[backend].breaker.state(time.monotonic()) == "closed"
     listener.close()

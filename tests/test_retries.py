@@ -39,9 +39,10 @@ def test_a_failure_before_the_first_byte_is_retried_on_another_backend(tmp_path)
     resp = route.open(send, TIMEOUTS)
     assert resp == f"response of {calls[-1]}" and len(calls) == 2 and len(set(calls)) == 2
     assert route.tried == calls and route.backend.url == calls[-1]
-    assert sum(b.state.in_flight for b in fleet) == 1  # the failed try's slot was given back
+    # the failed try's slot was given back
+    assert sum(route.states[b].in_flight for b in fleet) == 1
     route.release()
-    assert sum(b.state.in_flight for b in fleet) == 0
+    assert sum(route.states[b].in_flight for b in fleet) == 0
 
 
 def test_retries_stop_at_the_budget_and_raise_the_last_error(tmp_path):
@@ -83,8 +84,8 @@ def test_failures_feed_the_breaker_but_never_eject_the_last_backend(tmp_path):
         with pytest.raises(UpstreamError):
             route.open(send, TIMEOUTS)
         route.release()
-    out = [b for b in fleet if not b.state.breaker.is_up(time.monotonic())]
-    assert len(out) == 1 and out[0].state.breaker.requests_failed  # the probe leaves it out
+    out = [b for b in fleet if not svc.states[b].breaker.is_up(time.monotonic())]
+    assert len(out) == 1 and svc.states[out[0]].breaker.requests_failed  # the probe leaves it out
     alone = backends()[:1]
     for _ in range(5):
         route = Route(svc, entry(alone), [])
@@ -92,7 +93,7 @@ def test_failures_feed_the_breaker_but_never_eject_the_last_backend(tmp_path):
         with pytest.raises(UpstreamError):
             route.open(scripted({URLS[0]: UpstreamError("boom")})[0], TIMEOUTS)
         route.release()
-    assert alone[0].state.breaker.is_up(time.monotonic())  # a 5xx keeps the only one in
+    assert svc.states[alone[0]].breaker.is_up(time.monotonic())  # a 5xx keeps the only one in
     route = Route(svc, entry(alone), [])
     route.take(0)
     with pytest.raises(UpstreamError):
@@ -132,8 +133,8 @@ def test_a_retry_waits_no_longer_than_the_time_left_before_the_deadline(tmp_path
     assert started + 1.0 - begun <= cut[0] == cut[1] < 0.45 and begun - started < 1.0
     assert all(t - started < 1.0 for t, _, _ in tries)
     assert time.monotonic() - started < 5  # not the full 30 s of a first byte
-    assert first.state.breaker.failures == 1
-    assert second.state.breaker.failures == 0  # cut short: it proves nothing of the backend
+    assert route.states[first].breaker.failures == 1
+    assert route.states[second].breaker.failures == 0  # cut short: it proves nothing of the backend
     route.release()
 
 
@@ -187,7 +188,7 @@ def test_the_backoff_is_jittered_within_its_range(tmp_path, monkeypatch):
             route.open(scripted({u: UpstreamError("boom") for u in URLS})[0], TIMEOUTS)
         route.release()
         for b in route.entry.backends:
-            b.state.breaker.success()
+            route.states[b].breaker.success()
     firsts, seconds = sleeps[0::2], sleeps[1::2]
     assert all(0 <= s <= 0.1 for s in firsts) and all(0 <= s <= 0.2 for s in seconds)
     assert max(seconds) > 0.1 and len(set(firsts)) == 50  # spread, not a fixed wait
@@ -219,7 +220,8 @@ def test_a_429_from_every_backend_is_retried_then_503_with_retry_after(pair):
     assert err.value.status == 503 and err.value.headers["Retry-After"] == "1"
     assert sorted(route.tried) == sorted(f.base_url for f in fakes)
     assert all(len(f.requests) == 1 for f in fakes)
-    assert all(b.state.breaker.failures == 0 for b in route.entry.backends)  # full, not sick
+    # full, not sick
+    assert all(route.states[b].breaker.failures == 0 for b in route.entry.backends)
 
 
 def test_a_429_then_an_answer_is_answered(pair):

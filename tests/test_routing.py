@@ -17,6 +17,7 @@ from gateway.contract.catalog import Backend, CatalogError, load_catalog
 from gateway.config import Config
 from gateway.errors import ServiceUnavailable
 from gateway.backends.fleet import Route
+from gateway.backends.health import BackendStates
 from gateway.ops.metrics import Metrics
 
 URLS = ("http://a:1/v1", "http://b:1/v1", "http://c:1/v1")
@@ -31,7 +32,14 @@ def backends(weights=(1, 1, 1), caps=(0, 0, 0)):
 def services(tmp_path, **settings):
     config = Config.from_mapping({"slot_dir": str(tmp_path), "upstream_retry_backoff_s": 0,
                                   **settings})
-    return SimpleNamespace(config=config, metrics=Metrics())
+    return SimpleNamespace(config=config, metrics=Metrics(), states=BackendStates())
+
+
+def rank(policy, fleet, key=None, states=None, **kwargs):
+    """``routing.rank`` with each backend's load read from ``states`` (none in flight when
+    None)."""
+    states = BackendStates() if states is None else states
+    return routing.rank(policy, fleet, lambda b: states[b].load(), key, **kwargs)
 
 
 def entry(fleet, policy="weighted"):
@@ -51,7 +59,7 @@ def conversation(system, first, later=()):
 
 def test_weighted_draws_by_weight():
     fleet, rng = backends(weights=(3, 1, 0))[:2], random.Random(7)
-    firsts = Counter(routing.rank("weighted", fleet, rng=rng)[0].url for _ in range(4000))
+    firsts = Counter(rank("weighted", fleet, rng=rng)[0].url for _ in range(4000))
     assert 0.70 < firsts[URLS[0]] / 4000 < 0.80
 
 
@@ -66,13 +74,14 @@ def test_a_drained_backend_gets_no_new_request(tmp_path):
 
 
 def test_least_outstanding_prefers_the_less_loaded_of_two():
+    states = BackendStates()
     fleet = backends()[:2]
-    fleet[0].state.in_flight = 5
+    states[fleet[0]].in_flight = 5
     for _ in range(50):
-        assert routing.rank("least-outstanding", fleet)[0] is fleet[1]
+        assert rank("least-outstanding", fleet, states=states)[0] is fleet[1]
     fleet = backends()
-    fleet[0].state.in_flight, fleet[1].state.in_flight = 4, 2
-    firsts = Counter(routing.rank("least-outstanding", fleet)[0].url for _ in range(600))
+    states[fleet[0]].in_flight, states[fleet[1]].in_flight = 4, 2
+    firsts = Counter(rank("least-outstanding", fleet, states=states)[0].url for _ in range(600))
     # Only a draw of the two loaded ones puts a loaded one first (a third of the draws).
     assert firsts[URLS[0]] == 0 and firsts[URLS[2]] > firsts[URLS[1]]
 
@@ -85,49 +94,51 @@ def test_prefix_affinity_keeps_a_conversation_on_one_backend():
     assert routing.prefix_key(later) == key
     assert routing.prefix_key(conversation("You are terse.", "Tell me about pots.")) != key
     assert routing.prefix_key([{"role": "assistant", "content": "hi"}]) is None
-    home = routing.rank("prefix-affinity", fleet, key)[0]
-    assert all(routing.rank("prefix-affinity", fleet, key)[0] is home for _ in range(20))
+    home = rank("prefix-affinity", fleet, key)[0]
+    assert all(rank("prefix-affinity", fleet, key)[0] is home for _ in range(20))
 
 
 def test_prefix_affinity_spreads_conversations_and_moves_few_when_one_leaves():
     fleet = backends()
     keys = [routing.prefix_key(conversation("sys", f"question {i}")) for i in range(600)]
-    homes = {k: routing.rank("prefix-affinity", fleet, k)[0].url for k in keys}
+    homes = {k: rank("prefix-affinity", fleet, k)[0].url for k in keys}
     shares = Counter(homes.values())
     assert all(150 < shares[u] < 250 for u in URLS), shares
     rest = fleet[:2]
     moved = [k for k in keys if homes[k] != URLS[2]
-             and routing.rank("prefix-affinity", rest, k)[0].url != homes[k]]
+             and rank("prefix-affinity", rest, k)[0].url != homes[k]]
     assert moved == []  # rendezvous hashing: only the leaving backend's keys move
 
 
 def test_prefix_affinity_skips_a_backend_over_its_bounded_load():
+    states = BackendStates()
     fleet = backends()
     key = routing.prefix_key(conversation("sys", "q"))
-    home = routing.rank("prefix-affinity", fleet, key)[0]
+    home = rank("prefix-affinity", fleet, key, states=states)[0]
     others = [b for b in fleet if b is not home]
     # A backend is offered while its in flight + 1 fits max(ceil(1.5 × share), share + 2),
     # share = (all in flight + 1) / 3.
-    home.state.in_flight = 4  # share 5/3: bound 3 < 5
-    order = routing.rank("prefix-affinity", fleet, key)
+    states[home].in_flight = 4  # share 5/3: bound 3 < 5
+    order = rank("prefix-affinity", fleet, key, states=states)
     assert order[0] is not home and order[-1] is home
-    home.state.in_flight = 2  # share 1: bound 3, and 3 fits (few in flight: no scattering)
-    assert routing.rank("prefix-affinity", fleet, key)[0] is home
-    home.state.in_flight, others[0].state.in_flight, others[1].state.in_flight = 22, 10, 10
-    assert routing.rank("prefix-affinity", fleet, key)[-1] is home  # share 43/3: bound 22
-    home.state.in_flight, others[0].state.in_flight, others[1].state.in_flight = 20, 10, 10
-    assert routing.rank("prefix-affinity", fleet, key)[0] is home  # 21 fits 41/3 × 1.5
+    states[home].in_flight = 2  # share 1: bound 3, and 3 fits (few in flight: no scattering)
+    assert rank("prefix-affinity", fleet, key, states=states)[0] is home
+    states[home].in_flight, states[others[0]].in_flight, states[others[1]].in_flight = 22, 10, 10
+    assert rank("prefix-affinity", fleet, key, states=states)[-1] is home  # share 43/3: bound 22
+    states[home].in_flight, states[others[0]].in_flight, states[others[1]].in_flight = 20, 10, 10
+    assert rank("prefix-affinity", fleet, key, states=states)[0] is home  # 21 fits 41/3 × 1.5
 
 
 def test_a_looser_load_bound_keeps_more_on_home():
+    states = BackendStates()
     fleet = backends()
     key = routing.prefix_key(conversation("sys", "q"))
-    home = routing.rank("prefix-affinity", fleet, key)[0]
+    home = rank("prefix-affinity", fleet, key, states=states)[0]
     others = [b for b in fleet if b is not home]
-    home.state.in_flight, others[0].state.in_flight, others[1].state.in_flight = 13, 9, 8
+    states[home].in_flight, states[others[0]].in_flight, states[others[1]].in_flight = 13, 9, 8
     # share (30 + 1) / 3 = 10.3: bound 13 at 1.25 (14 does not fit), 16 at 1.5
-    assert routing.rank("prefix-affinity", fleet, key, load_bound=1.25)[0] is not home
-    assert routing.rank("prefix-affinity", fleet, key, load_bound=1.5)[0] is home
+    assert rank("prefix-affinity", fleet, key, states=states, load_bound=1.25)[0] is not home
+    assert rank("prefix-affinity", fleet, key, states=states, load_bound=1.5)[0] is home
 
 
 # -- slots ---------------------------------------------------------------------------------
@@ -258,8 +269,8 @@ def test_a_server_named_by_two_models_has_one_cap(tmp_path):
     shared = [Backend(url=URLS[0], model="a", max_in_flight=2),
               Backend(url=URLS[0], model="b", max_in_flight=1), Backend(url=URLS[1], model="c")]
     catalog = {"a": entry(shared[:1]), "b": entry(shared[1:2]), "c": entry(shared[2:])}
-    prepare(catalog, Config.from_mapping({"slot_dir": str(tmp_path)}))
-    assert shared[0].state.slots is shared[1].state.slots
-    assert shared[0].state.slots.limit == 1 and shared[2].state.slots.limit == 0
-    shared[0].state.begin()
-    assert shared[1].state.load() == 1  # one count per server, read through the host's cells
+    states = prepare(catalog, Config.from_mapping({"slot_dir": str(tmp_path)}))
+    assert states[shared[0]].slots is states[shared[1]].slots
+    assert states[shared[0]].slots.limit == 1 and states[shared[2]].slots.limit == 0
+    states[shared[0]].begin()
+    assert states[shared[1]].load() == 1  # one count per server, read through the host's cells

@@ -18,7 +18,7 @@ import gevent
 
 from .capacity import HostLoad, Slots, slot_dir
 from ..errors import ServiceUnavailable, UpstreamError, UpstreamRejected, UpstreamTimeout
-from .health import BreakerPolicy, note_failure
+from .health import BackendStates, BreakerPolicy, note_failure
 from .routing import PREFIX_AFFINITY, prefix_key, rank
 from ..endings import CONNECT_TIMEOUT, UNREACHABLE
 
@@ -30,7 +30,7 @@ class Route:
     """Where one generation is sent: the backend it holds a slot on, and every one it tried."""
 
     def __init__(self, services, entry, messages):
-        self.services, self.entry = services, entry
+        self.services, self.entry, self.states = services, entry, services.states
         self.config = services.config
         self.key = prefix_key(messages) if entry.routing == PREFIX_AFFINITY else None
         self.policy = BreakerPolicy.from_config(self.config)
@@ -52,7 +52,7 @@ class Route:
         deadline = time.monotonic() + wait_s
         while time.monotonic() < until:
             live = self._live()
-            for backend in rank(self.entry.routing, live, self.key,
+            for backend in rank(self.entry.routing, live, self._load, self.key,
                                 load_bound=self.entry.load_bound):
                 slot = self._slots(backend).try_take()
                 if slot is not None:
@@ -68,23 +68,27 @@ class Route:
         """The backends in rotation (weight above 0, breaker not open) not tried yet."""
         now = time.monotonic()
         live = [b for b in self.entry.backends if b.weight > 0 and b.url not in self.tried
-                and b.state.breaker.is_up(now)]
+                and self.states[b].breaker.is_up(now)]
         if not live:
             raise ServiceUnavailable(f"No backend is available for model '{self.entry.id}'. "
                                      f"Retry with exponential backoff.",
                                      code="no_backend_available")
         return live
 
+    def _load(self, backend):
+        return self.states[backend].load()
+
     def _slots(self, backend):
-        if backend.state.slots is None:  # not prepared (used without an app)
-            backend.state.slots = Slots(slot_dir(self.config.slot_dir), backend.url,
+        state = self.states[backend]
+        if state.slots is None:  # not prepared (used without an app)
+            state.slots = Slots(slot_dir(self.config.slot_dir), backend.url,
                                         backend.max_in_flight)
-        return backend.state.slots
+        return state.slots
 
     def _hold(self, backend, slot):
         self.backend, self._slot = backend, slot
         self.tried.append(backend.url)
-        backend.state.begin()
+        self.states[backend].begin()
         m = self.services.metrics
         m.child(m.backend_in_flight, self.entry.id, backend.url).inc()
         m.child(m.backend_requests, self.entry.id, backend.url).inc()
@@ -97,7 +101,7 @@ class Route:
             return
         self._slots(backend).release(self._slot)
         self._slot = None
-        backend.state.end()
+        self.states[backend].end()
         m = self.services.metrics
         m.child(m.backend_in_flight, self.entry.id, backend.url).dec()
 
@@ -121,7 +125,7 @@ class Route:
             try:
                 resp = send(self.backend, tries)
             except UpstreamRejected:
-                self.backend.state.breaker.success()  # it answered: it is there
+                self.states[self.backend].breaker.success()  # it answered: it is there
                 raise
             except (UpstreamError, ServiceUnavailable) as err:
                 self._failed(err, cut=tries != timeouts_s)
@@ -129,7 +133,7 @@ class Route:
                     raise
                 last = err
                 continue
-            self.backend.state.breaker.success()
+            self.states[self.backend].breaker.success()
             self.answered = True
             return resp
         raise AssertionError("unreachable")  # the last try returns or raises
@@ -157,21 +161,24 @@ class Route:
         if not isinstance(err, UpstreamError) or (cut and isinstance(err, UpstreamTimeout)):
             return
         if err.code in (UNREACHABLE, CONNECT_TIMEOUT):
-            note_failure(backend, self.policy, err.code, at_once=True)
+            note_failure(backend, self.states[backend].breaker, self.policy, err.code,
+                         at_once=True)
         elif self._others_up(backend):
             # A 5xx or a timeout never takes out a model's last backend in rotation: its
             # clients are better served by that backend's own errors than by 503s.
-            note_failure(backend, self.policy, err.code, request=True)
+            note_failure(backend, self.states[backend].breaker, self.policy, err.code,
+                         request=True)
 
     def _others_up(self, backend):
         now = time.monotonic()
-        return any(b is not backend and b.weight > 0 and b.state.breaker.is_up(now)
+        return any(b is not backend and b.weight > 0 and self.states[b].breaker.is_up(now)
                    for b in self.entry.backends)
 
 
 def prepare(catalog, config):
-    """Give every backend of ``catalog`` its slots and the host's load counters (one cell of
-    this worker's)."""
+    """Return this worker's :class:`~gateway.backends.health.BackendStates` of ``catalog``'s
+    backends, each with its slots and the host's load counters (one cell of this worker's)."""
+    states = BackendStates()
     directory = slot_dir(config.slot_dir)
     host_load, slots = HostLoad(directory), {}
     backends = [b for entry in catalog.values() for b in entry.backends]
@@ -179,7 +186,8 @@ def prepare(catalog, config):
         caps = [b.max_in_flight for b in backends if b.url == backend.url and b.max_in_flight]
         if backend.url not in slots:
             slots[backend.url] = Slots(directory, backend.url, min(caps, default=0))
-        backend.state.attach(slots[backend.url], host_load, backend.url)
+        states[backend].attach(slots[backend.url], host_load, backend.url)
+    return states
 
 
 # A generation's end (``usage_events.status``) that is its backend's failure once the backend had

@@ -129,11 +129,26 @@ class BackendState:
         return self.in_flight if total is None else total
 
 
-def note_failure(backend, policy, why, at_once=False, request=False):
-    """Count a failure of ``backend`` (a :class:`gateway.contract.catalog.Backend`) on its breaker
-    (:meth:`Breaker.failure`); say in the log when that takes it out of rotation, and for how
-    long."""
-    breaker = backend.state.breaker
+class BackendStates:
+    """This worker's :class:`BackendState` of each backend (a catalog entry, frozen), made on
+    first use: the mutable side of the fleet, one per app (``Services.states``). Each catalog
+    entry has its own, as it had when the state lived on the entry: two entries naming one
+    server share its slots (:func:`gateway.backends.fleet.prepare`), not their breakers."""
+
+    def __init__(self):
+        self._states = {}  # id(backend) -> (backend, state); the backend kept: its id stays its
+
+    def __getitem__(self, backend):
+        found = self._states.get(id(backend))
+        if found is None:
+            found = self._states[id(backend)] = (backend, BackendState())
+        return found[1]
+
+
+def note_failure(backend, breaker, policy, why, at_once=False, request=False):
+    """Count a failure of ``backend`` (a :class:`gateway.contract.catalog.Backend`) on its
+    ``breaker`` (:meth:`Breaker.failure`); say in the log when that takes it out of rotation,
+    and for how long."""
     if breaker.failure(policy, at_once=at_once, request=request):
         log.warning("backend %s out of rotation for %.0f s: %s", backend.url,
                     breaker.open_until - time.monotonic(), why)
@@ -141,8 +156,8 @@ def note_failure(backend, policy, why, at_once=False, request=False):
 
 # -- active probe ------------------------------------------------------------------------------
 
-def probe(session, backend, path, timeout_s, policy):
-    """Probe ``backend`` once and feed its breaker; return ``"up"``, ``"down"``,
+def probe(session, backend, breaker, path, timeout_s, policy):
+    """Probe ``backend`` once and feed its ``breaker``; return ``"up"``, ``"down"``,
     ``"unknown"`` (connected, no answer in time) or ``"failing"`` (answered, but its chat
     requests failed: the breaker is left to its cool-down).
 
@@ -158,19 +173,20 @@ def probe(session, backend, path, timeout_s, policy):
             break
         except requests.ConnectionError as err:
             if unreachable(err):
-                note_failure(backend, policy, f"probe could not connect ({type(err).__name__})",
+                note_failure(backend, breaker, policy,
+                             f"probe could not connect ({type(err).__name__})",
                              at_once=True)
                 return "down"
             if last_try:
-                note_failure(backend, policy, f"probe's connection dropped twice "
-                                              f"({type(err).__name__})")
+                note_failure(backend, breaker, policy, f"probe's connection dropped twice "
+                                                       f"({type(err).__name__})")
                 return "down"
         except requests.Timeout:
             return "unknown"
     if resp.status_code >= 500:
-        note_failure(backend, policy, f"probe answered {resp.status_code}")
+        note_failure(backend, breaker, policy, f"probe answered {resp.status_code}")
         return "down"
-    return "up" if backend.state.breaker.probe_success() else "failing"
+    return "up" if breaker.probe_success() else "failing"
 
 
 def start_prober(app):
@@ -193,7 +209,7 @@ def _probe_forever(services):
         for _, backend in backends:
             loops.spawn(_probe_backend, services, backend, policy)
         while True:
-            publish_states(services.metrics, backends)
+            publish_states(services.metrics, backends, services.states)
             gevent.sleep(config.probe_interval_s)
     finally:
         loops.kill(block=False)
@@ -206,13 +222,14 @@ def _probe_backend(services, backend, policy):
     while True:
         began = time.monotonic()
         with gevent.Timeout(config.probe_timeout_s * 2 + 1, False):  # a trickling answer
-            probe(services.session, backend, config.probe_path, config.probe_timeout_s, policy)
+            probe(services.session, backend, services.states[backend].breaker,
+                  config.probe_path, config.probe_timeout_s, policy)
         gevent.sleep(max(0.0, config.probe_interval_s - (time.monotonic() - began)))
 
 
-def publish_states(metrics, backends):
+def publish_states(metrics, backends, states):
     """Set the ``kiln_backend_state`` gauge of every ``(model id, backend)``."""
     now = time.monotonic()
     for model, backend in backends:
-        state = backend.state.breaker.state(now)
+        state = states[backend].breaker.state(now)
         metrics.child(metrics.backend_state, model, backend.url).set(STATE_VALUES[state])

@@ -33,9 +33,10 @@ LOAD_SLACK = 2
 _TOP = float(2 ** 64)
 
 
-def rank(policy, candidates, key=None, rng=random, load_bound=LOAD_BOUND):
+def rank(policy, candidates, load, key=None, rng=random, load_bound=LOAD_BOUND):
     """Return ``candidates`` (backends with weight > 0) in the order ``policy`` offers them.
 
+    :param load: ``backend -> requests in flight`` (this host's, as the worker knows them).
     :param key: the conversation's prefix key (:func:`prefix_key`), for ``prefix-affinity``.
     :param load_bound: for ``prefix-affinity``, the multiple of its share of the requests in
         flight above which a backend is passed over.
@@ -43,10 +44,10 @@ def rank(policy, candidates, key=None, rng=random, load_bound=LOAD_BOUND):
     if len(candidates) <= 1:
         return list(candidates)
     if policy == PREFIX_AFFINITY and key is not None:
-        return affinity_order(candidates, key, load_bound)
+        return affinity_order(candidates, load, key, load_bound)
     if policy == WEIGHTED:
         return weighted_order(candidates, rng)
-    return least_outstanding_order(candidates, rng)
+    return least_outstanding_order(candidates, load, rng)
 
 
 def weighted_order(candidates, rng=random):
@@ -55,18 +56,21 @@ def weighted_order(candidates, rng=random):
     return sorted(candidates, key=lambda b: -rng.random() ** (1.0 / b.weight))
 
 
-def least_outstanding_order(candidates, rng=random):
-    """Two backends drawn by weight, the less loaded first; then the rest by load."""
+def least_outstanding_order(candidates, load, rng=random):
+    """Two backends drawn by weight, the less loaded first; then the rest by load (per unit of
+    weight)."""
+    def _load(backend):
+        return load(backend) / backend.weight
     first, second = weighted_order(candidates, rng)[:2]
     pair = sorted((first, second), key=_load)
     rest = sorted((b for b in candidates if b is not first and b is not second), key=_load)
     return pair + rest
 
 
-def affinity_order(candidates, key, load_bound=LOAD_BOUND):
+def affinity_order(candidates, load, key, load_bound=LOAD_BOUND):
     """The conversation's rendezvous order, backends over their bounded load moved last."""
     ranked = sorted(candidates, key=lambda b: -_score(key, b))
-    loads = {b.url: b.state.load() for b in candidates}
+    loads = {b.url: load(b) for b in candidates}
     total = sum(loads.values()) + 1
     weights = sum(b.weight for b in candidates)
     within = [b for b in ranked if loads[b.url] + 1 <= _bound(b, total, weights, load_bound)]
@@ -83,10 +87,6 @@ def _score(key, backend):
     digest = hashlib.blake2b(f"{key}\0{backend.url}".encode(), digest_size=8).digest()
     h = (int.from_bytes(digest, "big") + 0.5) / _TOP
     return -backend.weight / math.log(h)
-
-
-def _load(backend):
-    return backend.state.load() / backend.weight
 
 
 def prefix_key(messages):

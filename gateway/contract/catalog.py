@@ -15,7 +15,6 @@ from functools import cached_property
 from ..billing import NANOS_PER_USD
 from .families import FAMILIES
 from .images import DEFAULT_SOURCES, SOURCES
-from ..backends.health import BackendState
 from .parameters import PARAMETERS
 from ..backends.routing import LOAD_BOUND, POLICIES, WEIGHTED
 
@@ -36,7 +35,8 @@ TIMEOUT_KEYS = ("connect_s", "first_byte_s", "idle_s")
 class Backend:
     """One model server: ``url`` is its OpenAI base URL (ending in ``/v1``); weight 0 drains it
     (no new requests; running ones finish); ``max_in_flight`` caps its concurrent requests from
-    this host (0: no cap)."""
+    this host (0: no cap). Frozen: what a worker learns of it (breaker, load, slots) is kept
+    apart, in :class:`gateway.backends.health.BackendStates`."""
 
     url: str
     model: str
@@ -44,7 +44,6 @@ class Backend:
     tokenize_url: str = None  # llama.cpp: ``POST {base}/extras/tokenize/count`` for exact counts
     server: str = "generic"   # the backend family (gateway.contract.families): what it reads
     max_in_flight: int = 0
-    state: BackendState = field(default_factory=BackendState, repr=False, compare=False)
 
 
 @dataclass(frozen=True)

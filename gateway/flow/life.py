@@ -15,6 +15,7 @@ from flask import Response
 
 from ..backends.exchange import Exchange
 from ..backends.fleet import Route
+from ..backends.health import BackendStates
 from ..backends.relay import ClientGone, guard_writes
 from ..backends.upstream import encode_body
 from ..contract.parameters import upstream_body
@@ -35,6 +36,7 @@ class Services:
     catalog: dict
     metrics: object
     ledger: object
+    states: dict = field(default_factory=BackendStates)  # what this worker knows of each backend
     live: set = field(default_factory=set)  # this worker's exchanges, until closed
 
 
