@@ -114,3 +114,21 @@ def hold_nanos(pricing, prompt_bound, completion_cap):
         together (``max_tokens × n``); the relay stops the backend there.
     """
     return cost_nanos(Usage(prompt=prompt_bound, completion=completion_cap), pricing)
+
+
+# Chat-template tokens around each message and around the whole prompt (role markers, a default
+# system prompt some templates add). Generous on purpose: an estimate must not fall short.
+TEMPLATE_TOKENS_PER_MESSAGE = 8
+TEMPLATE_TOKENS_PER_REQUEST = 32
+
+
+def prompt_bound(context_window, body_bytes, n_messages, has_images):
+    """Return the most prompt tokens a request can have: its body's bytes plus the template's
+    tokens, at most the context window; a request with images may fill the window.
+
+    :param body_bytes: size of the client's JSON body.
+    """
+    if has_images:
+        return context_window
+    bound = body_bytes + TEMPLATE_TOKENS_PER_MESSAGE * n_messages + TEMPLATE_TOKENS_PER_REQUEST
+    return min(bound, context_window)

@@ -89,6 +89,9 @@ usage_events = sa.Table(
     sa.Column("model", sa.String(200), nullable=False),
     sa.Column("backend", sa.String(500), nullable=True),
     sa.Column("stream", sa.Boolean, nullable=False),
+    # The API the client called: a codec's name (gateway.dialects), "chat" before there were
+    # others (migration 0009).
+    sa.Column("endpoint", sa.String(16), nullable=False, server_default="chat"),
     # pending until settled; then how it ended (gateway.flow.outcomes.Status).
     sa.Column("status", sa.String(24), nullable=False, server_default=Status.PENDING.value),
     sa.Column("prompt_tokens", sa.Integer, nullable=False, server_default="0"),

@@ -74,9 +74,9 @@ def test_a_valid_large_body_is_served_as_parsed_by_the_child(kiln):
 def test_the_worker_never_parses_a_large_body_the_child_refuses(kiln, org, monkeypatch):
     app, _ = kiln
     parsed = []
-    import gateway.api.chat
-    real = gateway.api.chat.parse_json_body
-    monkeypatch.setattr(gateway.api.chat, "parse_json_body",
+    import gateway.api.bodies
+    real = gateway.api.bodies.parse_json_body
+    monkeypatch.setattr(gateway.api.bodies, "parse_json_body",
                         lambda raw, *args: parsed.append(len(raw)) or real(raw, *args))
     many = {"model": "fake-vision",
             "messages": [{"role": "user", "content": "x"}] * (32768 + 1)}

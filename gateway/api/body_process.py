@@ -61,9 +61,9 @@ class BodyProcess:
         self._owner = None  # the pid that started the child (a forked worker starts its own)
         self._starting = Semaphore()  # one child, however many requests find none running
 
-    def check(self, parts, content_type):
+    def check(self, parts, content_type, dialect="chat"):
         """Return the body (a dict) made of ``parts`` (bytes, or a list of bytes in order) if
-        the contract accepts it.
+        the contract of ``dialect`` (a codec's name, :data:`gateway.dialects.CODECS`) accepts it.
 
         :raises GatewayError: the error the contract gives it (400, 404, 413).
         :raises ServiceUnavailable: the child failed; 503 ``server_busy`` with ``Retry-After``.
@@ -73,7 +73,7 @@ class BodyProcess:
         timeout = gevent.Timeout(self.timeout_s)
         timeout.start()
         try:
-            _send(proc.stdin, content_type.encode(),
+            _send(proc.stdin, f"{dialect}\n{content_type}".encode(),
                   [parts] if isinstance(parts, bytes) else parts)
             kind, payload = pickle.loads(_read_message(proc.stdout)[1])
             answered = True
@@ -166,13 +166,15 @@ def _read_message(pipe):
     return text, _read_exactly(pipe, size)
 
 
-def check_body(raw, content_type, catalog, max_body_bytes):
-    """The child's work: parse ``raw`` and check it as the worker would; return the body."""
+def check_body(raw, content_type, catalog, max_body_bytes, dialect="chat"):
+    """The child's work: parse ``raw`` and check it as the worker would, with ``dialect``'s
+    codec; return the body."""
     from ..contract.json_body import parse_json_body
-    from ..contract.validation import refuse_unfit_before_parsing, validate_chat
+    from ..contract.validation import refuse_unfit_before_parsing
+    from ..dialects import CODECS
     refuse_unfit_before_parsing(raw, catalog)  # cheaper than any parse
     body = parse_json_body(raw, content_type, max_body_bytes)
-    validate_chat(body, catalog, len(raw))
+    CODECS[dialect].parse(body, catalog, len(raw))
     return body
 
 
@@ -189,11 +191,12 @@ def main():
     stdout.flush()
     while True:
         try:
-            content_type, raw = _read_message(stdin)
+            head, raw = _read_message(stdin)
+            dialect, _, content_type = head.partition("\n")
         except EOFError:
             return  # the worker exited
         try:
-            answer = ("body", check_body(raw, content_type, catalog, max_body_bytes))
+            answer = ("body", check_body(raw, content_type, catalog, max_body_bytes, dialect))
         except GatewayError as err:
             answer = ("error", err)
         except Exception as err:  # noqa: BLE001 - told to the worker, which answers 500

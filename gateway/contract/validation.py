@@ -17,7 +17,7 @@ import gevent
 
 from . import images, parameters, tools
 from ..errors import InvalidRequest, ModelNotFound, UnsupportedParameter, refuse_unknown_keys
-from ..flow.metering import prompt_bound
+from ..billing import prompt_bound
 
 # No tokenizer puts more than this many bytes of JSON text in one token: a text-only body
 # above context_window x this cannot fit the window.

@@ -33,13 +33,15 @@ class ChatCodec:
         """Return ``(HTTP status, JSON object)`` of a refusal in the OpenAI envelope."""
         return err.status, err.envelope()
 
-    def render_json(self, completion, usage, charged_usd, request):
+    def render_json(self, completion, usage, charged_usd, request, stops_hit=None):
         """Return the JSON body of a whole answer: the backend's completion (after Kiln's
         rules) with the billed usage where the backend's was not well formed, and
         ``usage.cost``, the USD charged (exact decimal).
 
         :param completion: the chat completion (dict); its ``usage`` is replaced when ``usage``
             (:class:`~gateway.billing.Usage`, what is billed) is not what it says.
+        :param stops_hit: ``{choice index: stop string}`` Kiln cut at (chat says only
+            ``finish_reason: "stop"``, as OpenAI does).
         """
         if not is_well_formed(completion.get("usage"), usage):
             completion["usage"] = usage_object(usage)

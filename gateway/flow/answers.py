@@ -37,9 +37,10 @@ def complete(gen, exchange, request, codec):
     gen.meter.observe_completion(completion)
     gen.mark_first_token()
     usage = gen.final_usage()
-    apply_to_completion(completion, request.stop, request.single_tool_call)
+    stops_hit = apply_to_completion(completion, request.stop, request.single_tool_call)
     yield Head(200, "application/json", {})
-    return lambda charged_usd: codec.render_json(completion, usage, charged_usd, request)
+    return lambda charged_usd: codec.render_json(completion, usage, charged_usd, request,
+                                                 stops_hit)
 
 
 def _parse_completion(raw):

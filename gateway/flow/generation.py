@@ -33,10 +33,11 @@ class Admission:
     started: float
 
 
-def admit(services, principal, request):
+def admit(services, principal, request, endpoint):
     """Place the request's hold and in-flight lease; return its :class:`Admission`.
 
     :param request: the canonical request (:class:`~gateway.contract.validation.ChatRequest`).
+    :param endpoint: the API the client called (its codec's name), kept on the usage event.
     :raises GatewayError: 402 (credits, the key's limit), 429 (in-flight limit, rate), 503
         (database busy); nothing is left behind.
     """
@@ -48,7 +49,7 @@ def admit(services, principal, request):
         model=request.entry.id, stream=request.stream, hold_nanos=hold,
         in_flight_limit=principal.in_flight_limit, lease_ttl_s=config.lease_ttl_s,
         key_checks=principal.key_checks, limit_usd=principal.limit_usd,
-        limit_reset=principal.limit_reset))
+        limit_reset=principal.limit_reset, endpoint=endpoint))
     services.metrics.admission.observe(time.monotonic() - t0)
     services.metrics.in_flight.inc()
     return Admission(gid, started_at, hold, t0)

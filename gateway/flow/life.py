@@ -40,21 +40,26 @@ class Services:
     live: set = field(default_factory=set)  # this worker's exchanges, until closed
 
 
-def respond(services, principal, request, codec, environ):
+def respond(services, principal, request, codec, environ, on_answer=None):
     """Admit ``request`` and return the Flask response that relays its answer in ``codec``'s
     dialect.
 
     :param request: the canonical request (:class:`~gateway.contract.validation.ChatRequest`).
     :param codec: the client's dialect (:mod:`gateway.dialects`): renders the JSON body, the
-        event stream and a failed stream's last event.
+        event stream and a failed stream's last event; its ``name`` is the usage event's
+        ``endpoint``.
     :param environ: the WSGI environ (the client's socket, its address).
+    :param on_answer: ``(generation id, outcome, last bytes, stream renderer or None) ->
+        None``, called once the generation is settled and its last bytes are rendered, before
+        they leave (a view keeps what its API stores, e.g. a stored response); not called when
+        nobody is left to read them.
     :raises GatewayError: refused before any byte of the answer (402, 429, 502, 503, ...);
         an admitted generation is settled before this is raised.
     """
     route = Route(services, request.entry, request.messages)
     route.take(services.config.backend_wait_s)  # 503 when none is free, before any charge
     try:
-        admission = admit(services, principal, request)
+        admission = admit(services, principal, request, codec.name)
     except BaseException:
         route.release()
         raise
@@ -69,7 +74,7 @@ def respond(services, principal, request, codec, environ):
         path = answers.stream(gen, exchange, request, renderer)
     else:
         renderer, path = None, answers.complete(gen, exchange, request, codec)
-    life = _life(gen, exchange, path, renderer)
+    life = _life(gen, exchange, path, renderer, on_answer)
     headers = {GENERATION_HEADER: gen.gid, **request.response_headers}
     try:
         head = next(life)
@@ -83,7 +88,7 @@ def respond(services, principal, request, codec, environ):
                     headers={**headers, **head.headers})
 
 
-def _life(gen, exchange, path, renderer):
+def _life(gen, exchange, path, renderer, on_answer=None):
     """Yield the response's head, then its body, from ``path`` (one of :mod:`.answers`);
     settle exactly once, whatever ends it.
 
@@ -92,7 +97,7 @@ def _life(gen, exchange, path, renderer):
     ledger, with the cost it debits (docs/METERING.md, "When the usage event is final"). A
     failed stream's last bytes are its error event, in the dialect of ``renderer``.
     """
-    ending, last, head_sent = None, None, False
+    ending, last, head_sent, outcome = None, None, False, None
     try:
         head = next(path)
         head_sent = True
@@ -110,6 +115,10 @@ def _life(gen, exchange, path, renderer):
         try:
             exchange.close()
         finally:
-            gen.settle(outcome_for(ending, head_sent))
+            outcome = outcome_for(ending, head_sent)
+            gen.settle(outcome)
     if last is not None:
-        yield last(gen.charged_usd)
+        tail = last(gen.charged_usd)
+        if on_answer is not None:
+            on_answer(gen.gid, outcome, tail, renderer)
+        yield tail

@@ -18,12 +18,9 @@ Kiln is paid for tokens, so its own counts err upward (docs/METERING.md gives th
 import json
 import math
 
-from ..billing import Usage, token_count
+from ..billing import (TEMPLATE_TOKENS_PER_MESSAGE, TEMPLATE_TOKENS_PER_REQUEST, Usage,
+                       prompt_bound, token_count)  # noqa: F401 (prompt_bound: offered here too)
 
-# Chat-template tokens around each message and around the whole prompt (role markers, a default
-# system prompt some templates add). Generous on purpose: an estimate must not fall short.
-TEMPLATE_TOKENS_PER_MESSAGE = 8
-TEMPLATE_TOKENS_PER_REQUEST = 32
 # Fields of a delta (stream) or a message (non-stream) that carry generated text.
 GENERATED_TEXT_FIELDS = ("content", "reasoning_content", "reasoning", "refusal")
 # No token of a chat model's vocabulary spans more UTF-8 bytes than this (the longest tokens of
@@ -31,18 +28,6 @@ GENERATED_TEXT_FIELDS = ("content", "reasoning_content", "reasoning", "refusal")
 # at least ``ceil(bytes / MAX_TOKEN_BYTES)`` tokens: a count that never exceeds the true one,
 # and that a backend packing many tokens into each delta cannot stay under.
 MAX_TOKEN_BYTES = 64
-
-
-def prompt_bound(context_window, body_bytes, n_messages, has_images):
-    """Return the most prompt tokens a request can have: its body's bytes plus the template's
-    tokens, at most the context window; a request with images may fill the window.
-
-    :param body_bytes: size of the client's JSON body.
-    """
-    if has_images:
-        return context_window
-    bound = body_bytes + TEMPLATE_TOKENS_PER_MESSAGE * n_messages + TEMPLATE_TOKENS_PER_REQUEST
-    return min(bound, context_window)
 
 
 class Meter:

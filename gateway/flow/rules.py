@@ -24,13 +24,15 @@ class StopCutter:
         self.stops = stops
         self._pending = {}
         self.finished = set()
+        self.matched = {}  # choice index -> the stop string that ended it
 
     def feed(self, index, text):
         """Return ``(text to emit, hit)`` for a content delta of choice ``index``."""
         text = self._pending.pop(index, "") + text
-        cut = min((p for p in (text.find(s) for s in self.stops) if p >= 0), default=-1)
+        cut, stop = first_stop(text, self.stops)
         if cut >= 0:
             self.finished.add(index)
+            self.matched[index] = stop
             return text[:cut], True
         keep = self._held_suffix(text)
         if keep:
@@ -52,10 +54,17 @@ class StopCutter:
         return best
 
 
+def first_stop(text, stops):
+    """Return ``(position, stop string)`` of the first stop string in ``text``, or ``(-1,
+    None)``."""
+    found = [(p, s) for p, s in ((text.find(s), s) for s in stops) if p >= 0]
+    return min(found, key=lambda hit: hit[0]) if found else (-1, None)
+
+
 def cut_at_stop(text, stops):
-    """Return ``(text before the first stop string, whether one was found)``."""
-    cut = min((p for p in (text.find(s) for s in stops) if p >= 0), default=-1)
-    return (text[:cut], True) if cut >= 0 else (text, False)
+    """Return ``(text before the first stop string, the stop string or None)``."""
+    cut, stop = first_stop(text, stops)
+    return (text[:cut], stop) if cut >= 0 else (text, None)
 
 
 class StreamRules:
@@ -143,6 +152,11 @@ class StreamRules:
             rewritten = True
         return (dumps(obj), obj) if rewritten else (payload, obj)
 
+    @property
+    def matched_stops(self):
+        """``{choice index: the stop string Kiln ended it at}``."""
+        return self.cutter.matched if self.cutter else {}
+
     def open_choices(self):
         """Return the indexes of the choices seen that no finish reason or stop string ended
         (those Kiln's cut at the budget ends with ``finish_reason: "length"``)."""
@@ -203,15 +217,19 @@ def _first_tool_call_only(container):
 
 
 def apply_to_completion(obj, stops, single_tool_call):
-    """Apply stop strings and the single-tool-call rule to a non-stream chat completion."""
+    """Apply stop strings and the single-tool-call rule to a non-stream chat completion;
+    return ``{choice index: the stop string Kiln cut it at}``."""
+    matched = {}
     for choice in obj.get("choices") or []:
         message = choice.get("message") if isinstance(choice, dict) else None
         if not isinstance(message, dict):
             continue
         if stops and isinstance(message.get("content"), str):
-            message["content"], hit = cut_at_stop(message["content"], stops)
-            if hit:
+            message["content"], stop = cut_at_stop(message["content"], stops)
+            if stop is not None:
                 choice["finish_reason"] = "stop"
+                matched[choice.get("index", 0)] = stop
         calls = message.get("tool_calls")
         if single_tool_call and isinstance(calls, list) and len(calls) > 1:
             message["tool_calls"] = calls[:1]
+    return matched

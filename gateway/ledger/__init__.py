@@ -5,6 +5,9 @@ once per generation), the sweeper, credit grants and reconciliation's reads all 
 dialects' statements are in :mod:`.postgres` and :mod:`.sqlite`. The request flow
 (:mod:`gateway.flow.generation`) calls it; nothing else writes money.
 
+May import only the shared modules at the top of ``gateway`` (tables, money math, statuses):
+never the flow, a view or a codec.
+
 Invariants, per org (``kiln credits reconcile`` checks them):
 
 1. ``balance_nanos = Σ credit_grants − Σ usage_events.cost_nanos``: a grant's trigger and a
@@ -77,6 +80,7 @@ class AdmissionRequest:
     key_checks: bool  # the key has a spend limit or a request rate: count it too
     limit_usd: object = None   # the key's spend limit (Decimal USD), for messages
     limit_reset: str = None    # "daily", "weekly", "monthly" or None
+    endpoint: str = "chat"     # the dialect the client spoke (gateway.dialects: a codec's name)
 
 
 @dataclass

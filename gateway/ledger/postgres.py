@@ -37,7 +37,8 @@ $$"""
 
 ADMIT = f"""CREATE OR REPLACE FUNCTION kiln_admit(
   p_gid text, p_org integer, p_key integer, p_model text, p_stream boolean, p_hold bigint,
-  p_limit integer, p_ttl_s double precision, p_key_checks boolean)
+  p_limit integer, p_ttl_s double precision, p_key_checks boolean,
+  p_endpoint text DEFAULT 'chat')
 RETURNS TABLE (gid text, started_at timestamptz, reason text, available bigint,
                in_flight integer, expired boolean, key_remaining bigint,
                period_start timestamptz)
@@ -92,8 +93,8 @@ BEGIN
      WHERE k.id = p_key;
   END IF;
   INSERT INTO usage_events (id, org_id, api_key_id, model, stream, status, hold_nanos,
-                            started_at)
-  VALUES (p_gid, p_org, p_key, p_model, p_stream, '{PENDING}', p_hold, v_now);
+                            started_at, endpoint)
+  VALUES (p_gid, p_org, p_key, p_model, p_stream, '{PENDING}', p_hold, v_now, p_endpoint);
   INSERT INTO in_flight (generation_id, org_id, hold_nanos, key_hold_nanos, expires_at)
   VALUES (p_gid, p_org, p_hold, CASE WHEN p_key_checks THEN p_hold ELSE 0 END,
           v_now + p_ttl_s * interval '1 second');
@@ -118,7 +119,8 @@ BEGIN
                                       (r.a->>'key')::integer, r.a->>'model',
                                       (r.a->>'stream')::boolean, (r.a->>'hold')::bigint,
                                       (r.a->>'limit')::integer, (r.a->>'ttl')::float8,
-                                      (r.a->>'key_checks')::boolean) k;
+                                      (r.a->>'key_checks')::boolean,
+                                      COALESCE(r.a->>'endpoint', 'chat')) k;
   END LOOP;
 END $$"""
 
@@ -287,12 +289,14 @@ DROP = ("DROP FUNCTION IF EXISTS kiln_renew(text[], integer[], integer[], intege
         "DROP FUNCTION IF EXISTS kiln_settle(jsonb)",
         "DROP FUNCTION IF EXISTS kiln_admit_batch(jsonb)",
         "DROP FUNCTION IF EXISTS kiln_admit(text, integer, integer, text, boolean, bigint, "
+        "integer, double precision, boolean, text)",
+        "DROP FUNCTION IF EXISTS kiln_admit(text, integer, integer, text, boolean, bigint, "
         "integer, double precision, boolean)",
         "DROP FUNCTION IF EXISTS kiln_period_start(text, timestamptz)",
         "DROP TYPE IF EXISTS kiln_settlement")
 
 _ADMIT_CALL = ("SELECT * FROM kiln_admit(%s::text, %s::integer, %s::integer, %s::text, "
-               "%s::boolean, %s::bigint, %s::integer, %s::float8, %s::boolean)")
+               "%s::boolean, %s::bigint, %s::integer, %s::float8, %s::boolean, %s::text)")
 _SETTLE_CALL = "SELECT * FROM kiln_settle(%s::jsonb)"
 _ADMIT_BATCH_CALL = "SELECT * FROM kiln_admit_batch(%s::jsonb)"
 _RENEW_CALL = ("SELECT * FROM kiln_renew(%s::text[], %s::integer[], %s::integer[], "
@@ -339,7 +343,8 @@ class PostgresStore:
     def admit_once(self, a):
         """Try once to admit :class:`gateway.ledger.AdmissionRequest` ``a``; return the row."""
         rows = self._call(_ADMIT_CALL, (a.gid, a.org_id, a.key_id, a.model, a.stream, a.hold_nanos,
-                                        a.in_flight_limit, a.lease_ttl_s, a.key_checks))
+                                        a.in_flight_limit, a.lease_ttl_s, a.key_checks,
+                                        a.endpoint))
         return rows[0] if rows else None
 
     def admit_batch(self, requests):
@@ -350,7 +355,8 @@ class PostgresStore:
         batch = json.dumps([{"gid": a.gid, "org": a.org_id, "key": a.key_id, "model": a.model,
                              "stream": a.stream, "hold": a.hold_nanos,
                              "limit": a.in_flight_limit, "ttl": a.lease_ttl_s,
-                             "key_checks": a.key_checks} for a in requests])
+                             "key_checks": a.key_checks, "endpoint": a.endpoint}
+                            for a in requests])
         rows = {row[0]: tuple(row[1:]) for row in self._call(_ADMIT_BATCH_CALL, (batch,))}
         return [rows.get(i) for i in range(len(requests))]
 

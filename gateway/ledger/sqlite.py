@@ -59,7 +59,8 @@ class SqliteStore:
                 return refused
             conn.execute(usage_events.insert().values(
                 id=a.gid, org_id=a.org_id, api_key_id=a.key_id, model=a.model, stream=a.stream,
-                status=Status.PENDING.value, hold_nanos=a.hold_nanos, started_at=now))
+                status=Status.PENDING.value, hold_nanos=a.hold_nanos, started_at=now,
+                endpoint=a.endpoint))
             conn.execute(in_flight.insert().values(
                 generation_id=a.gid, org_id=a.org_id, hold_nanos=a.hold_nanos,
                 key_hold_nanos=a.hold_nanos if a.key_checks else 0,
