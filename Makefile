@@ -44,10 +44,10 @@ bench: install  ## Benchmarks: Kiln against direct, the stack's floor and LiteLL
 	$(PY) bench/run.py $(BENCH_ARGS)
 
 chaos: install  ## Seeded chaos run against two gateway hosts (SEED=1 DURATION=120 seconds)
-	$(PY) tests/chaos.py --seed $(SEED) --duration $(DURATION)
+	$(PY) tests/support/chaos.py --seed $(SEED) --duration $(DURATION)
 
 fuzz: install  ## Schema fuzzing of /openapi.json through a real gateway (CASES=1000 SEED=1)
-	$(PY) tests/fuzz.py --cases $(CASES) --seed $(SEED)
+	$(PY) tests/support/fuzz.py --cases $(CASES) --seed $(SEED)
 
 clean:  ## Remove the virtualenv and local state
 	rm -rf $(VENV) .run *.egg-info
