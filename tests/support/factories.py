@@ -53,7 +53,18 @@ backends = [{{ url = "{url}", model = "openai/gpt-oss-120b" }}]
 MESSAGES = [{"role": "user", "content": "Say hello"}]
 TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Weather now.",
                                          "parameters": {"type": "object", "properties": {}}}}
-DROP = object()  # marks a key to leave out of a body (chat_body)
+
+
+class _Drop:
+    """Marks a key to leave out of a body (:func:`chat_body`); its repr is stable, so test ids
+    that show it are the same in every process (pytest-xdist's workers must agree)."""
+
+    def __repr__(self):
+        return "DROP"
+
+
+DROP = _Drop()
+
 # fake-model in CATALOG above, and smollm2-135m in gateway/demo_models.toml:
 # 0.10, 0.05 and 0.30 USD per million tokens are 100, 50 and 300 nano-dollars per token.
 FAKE_MODEL_NANOS = SMOLLM2_NANOS = {"input": 100, "cached_input": 50, "output": 300}
@@ -170,3 +181,25 @@ def write_fleet_catalog(path, urls, routing="least-outstanding", timeouts="first
     path.write_text(FLEET_CATALOG.format(routing=routing, timeouts=timeouts, backends=backends,
                                          load_bound=load_bound))
     return path
+
+
+# Vision models that differ only in image_sources (the image-source tests, both layers).
+IMAGE_SOURCES_MODEL = """
+[[models]]
+id = "{id}"
+context_window = 8192
+max_output_tokens = 256
+input = ["text", "image"]
+{sources}
+pricing = {{ input = "1", cached_input = "0.5", output = "2" }}
+backends = [{{ url = "{url}", model = "upstream-vision" }}]
+"""
+IMAGE_SOURCES = {"data-only": '["data"]', "https-private": '["https", "private"]',
+           "data-http": '["data", "http"]', "default": None}
+
+
+def image_sources_catalog(url, **sources):
+    """A catalog of vision models on ``url``, one per ``name=image_sources`` (None: unset)."""
+    return "".join(IMAGE_SOURCES_MODEL.format(id=model, url=url, sources=f"image_sources = {value}"
+                                if value is not None else "")
+                   for model, value in sources.items())

@@ -17,20 +17,6 @@ from factories import CATALOG
 pytestmark = pytest.mark.unit
 
 
-@pytest.fixture(scope="module")
-def kiln(tmp_path_factory):
-    app, engine = factories.sqlite_app(tmp_path_factory.mktemp("kiln"),
-                                       CATALOG.format(url=factories.UNREACHABLE_BACKEND),
-                                       probe_interval_s=0)  # the control row finds its backend
-    yield app, engine
-    engine.dispose()
-
-
-@pytest.fixture(scope="module")
-def org(kiln):
-    return factories.org(kiln[1])
-
-
 @pytest.mark.parametrize("body,status,code,param",
                          [pytest.param(*case[1:], id=case[0]) for case in REJECTED])
 def test_rejected_in_process(kiln, org, body, status, code, param):
@@ -59,14 +45,14 @@ def test_a_valid_body_reaches_admission_and_the_backend(kiln, org):
     ({}, 401, "invalid_api_key"),
     ({"Authorization": "Bearer kiln-not-a-key"}, 401, "invalid_api_key"),
 ])
-def test_a_missing_or_unknown_key_is_401(kiln, headers, status, code):
-    r = kiln[0].test_client().post("/v1/chat/completions", json=factories.chat_body(),
+def test_a_missing_or_unknown_key_is_401(client, headers, status, code):
+    r = client.post("/v1/chat/completions", json=factories.chat_body(),
                                    headers=headers)
     assert (r.status_code, r.get_json()["error"]["code"]) == (status, code)
 
 
-def test_credits_in_process(kiln, org):
-    r = kiln[0].test_client().get("/v1/credits", headers=org.headers)
+def test_credits_in_process(client, org):
+    r = client.get("/v1/credits", headers=org.headers)
     assert r.status_code == 200
     assert (r.get_json()["balance_usd"], r.get_json()["in_flight"]) == ("10", 0)
 

@@ -14,7 +14,6 @@ import pytest
 
 import factories
 from contract_table import REJECTED, START_NANOS, trace
-from factories import CATALOG
 from gateway.api import intake
 from gateway.api.body_process import BodyProcess
 from gateway.errors import InvalidRequest, ServiceUnavailable
@@ -23,23 +22,13 @@ pytestmark = pytest.mark.unit
 PAD = b" " * intake.INLINE_BYTES  # whitespace: the same JSON, but a large body
 
 
-@pytest.fixture(scope="module")
-def kiln(tmp_path_factory):
-    # Parses here take no turns (the budget's share of time is tested in test_intake.py).
+@pytest.fixture(scope="module", autouse=True)
+def parse_at_once():
+    """Parses here take no turns (the budget's share of time is tested in test_intake.py)."""
     share = intake.PARSE_SHARE
     intake.PARSE_SHARE = 1.0
-    app, engine = factories.sqlite_app(tmp_path_factory.mktemp("kiln"),
-                                       CATALOG.format(url=factories.UNREACHABLE_BACKEND),
-                                       probe_interval_s=0)  # the control row finds its backend
-    yield app, engine
-    app.extensions["kiln.body_process"].stop()
-    engine.dispose()
+    yield
     intake.PARSE_SHARE = share
-
-
-@pytest.fixture(scope="module")
-def org(kiln):
-    return factories.org(kiln[1])
 
 
 def post(app, org, raw):
