@@ -17,13 +17,13 @@ from referencing import Registry
 from referencing.jsonschema import DRAFT202012
 from requests.structures import CaseInsensitiveDict
 
+from factories import MESSAGES
 from fake_upstream import Close, Send, Status, chat_chunk, error_reply, make_usage, sse, \
     sse_event
 from gateway_proc import make_org
 from openapi_checks import DOC_URI, check_response, component, media_pointer, validator
 
 CHAT = "/v1/chat/completions"
-MESSAGES = [{"role": "user", "content": "Say hello"}]
 TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Weather now.",
                                          "parameters": {"type": "object"}}}
 

@@ -6,10 +6,10 @@ import json
 import pytest
 import requests
 
+from factories import MESSAGES
 from fake_upstream import chat_chunk, chat_completion, json_reply, make_usage, sse
 from gateway_proc import balance_nanos, usage_event
 
-MESSAGES = [{"role": "user", "content": "Say hello"}]
 
 
 def post(gateway, org, **body):

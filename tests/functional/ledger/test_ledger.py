@@ -25,6 +25,7 @@ import pytest
 import requests
 import sqlalchemy as sa
 
+from factories import MESSAGES
 from fake_upstream import chat_chunk, chat_completion, json_reply, make_usage, sse
 from gateway_proc import Gateway, make_org, migrate, wait_until
 from pg_cluster import Cluster
@@ -32,7 +33,6 @@ from pg_cluster import Cluster
 pytestmark = pytest.mark.postgres
 
 KILN = str(Path(sys.executable).with_name("kiln"))
-MESSAGES = [{"role": "user", "content": "Say hello"}]
 
 
 @pytest.fixture

@@ -21,6 +21,7 @@ import pytest
 import requests
 import sqlalchemy as sa
 
+from factories import MESSAGES
 from fake_upstream import chat_chunk, chat_completion, json_reply, make_usage, sse
 from gateway_proc import Gateway, free_port, make_org, wait_until
 
@@ -28,7 +29,6 @@ pytestmark = pytest.mark.postgres
 
 PGBOUNCER = shutil.which("pgbouncer") or "/usr/sbin/pgbouncer"
 KILN = str(Path(sys.executable).with_name("kiln"))
-MESSAGES = [{"role": "user", "content": "Say hello"}]
 
 
 @pytest.fixture

@@ -11,10 +11,10 @@ import pytest
 import requests
 import sqlalchemy as sa
 
+from factories import MESSAGES
 from fake_upstream import FakeUpstream, error_reply
 from gateway_proc import MAINTENANCE_POLL_S, balance_nanos, free_port, usage_event, wait_until
 
-MESSAGES = [{"role": "user", "content": "Say hello"}]
 BODY = {"model": "fake-model", "messages": MESSAGES}
 START = (10 * 10**9, 0, 0)
 KILN = Path(sys.executable).with_name("kiln")

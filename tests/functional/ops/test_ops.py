@@ -13,6 +13,7 @@ import pytest
 import requests
 import sqlalchemy as sa
 
+from factories import MESSAGES
 from gateway_proc import MAINTENANCE_POLL_S, ROOT, balance_nanos, free_port, wait_until
 
 pytestmark = pytest.mark.postgres
@@ -20,7 +21,6 @@ pytestmark = pytest.mark.postgres
 GUNICORN_CONF = ROOT / "deploy" / "gunicorn.conf.py"
 UNIT = ROOT / "deploy" / "kiln-gateway.service"
 NGINX_SITE = ROOT / "deploy" / "nginx" / "kiln.conf"
-MESSAGES = [{"role": "user", "content": "Say hello"}]
 # An idle keep-alive connection holds a stopping gevent worker for up to gunicorn's `keepalive`.
 CLOSE = {"Connection": "close"}
 
