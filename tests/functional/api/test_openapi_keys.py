@@ -1,0 +1,35 @@
+"""``GET /openapi.json`` documents the key and activity endpoints as they answer: real
+responses of the running gateway validate against the document (the checks of
+test_openapi.py), and a key over its spend limit is a documented 402."""
+import uuid
+
+import requests
+import sqlalchemy as sa
+
+from gateway_proc import make_org
+from openapi_checks import check_response
+
+BODY = {"model": "fake-model", "messages": [{"role": "user", "content": "Say hello"}]}
+
+
+def test_key_and_activity_endpoints_match_the_document(gateway, fake, engine, document):
+    org = make_org(engine, f"doc-{uuid.uuid4().hex[:8]}")
+    with engine.begin() as conn:
+        conn.execute(sa.text("UPDATE api_keys SET limit_usd = 0.000001, limit_reset = 'weekly', "
+                             "rpm_limit = 50 WHERE org_id = :o"), {"o": org.id})
+    base = gateway.base_url
+    limited = requests.post(base + "/v1/chat/completions", json=BODY, headers=org.headers,
+                            timeout=30)
+    assert limited.json()["error"]["code"] == "key_limit_exceeded"
+    check_response(document, "/v1/chat/completions", limited, "post")
+    assert {"/v1/key", "/v1/keys", "/v1/activity"} <= set(document["paths"])
+    for path, params, headers, status in [
+        ("/v1/key", None, org.headers, 200), ("/v1/keys", None, org.headers, 200),
+        ("/v1/activity", None, org.headers, 200),
+        ("/v1/activity", {"date": "2026-11-30"}, org.headers, 200),
+        ("/v1/activity", {"date": "2026-11-31"}, org.headers, 400),
+        ("/v1/key", None, {}, 401), ("/v1/activity", None, {}, 401),
+    ]:
+        resp = requests.get(base + path, params=params, headers=headers, timeout=30)
+        assert resp.status_code == status, (path, resp.text)
+        check_response(document, path, resp)
