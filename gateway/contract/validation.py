@@ -79,6 +79,7 @@ class ChatRequest:
     has_images: bool
     conversation_key: str = ""   # system prompt + first user turn (prefix-affinity routing)
     extras: dict = field(default_factory=dict)  # catalog-allowed non-OpenAI parameters
+    response_headers: dict = field(default_factory=dict)  # a dialect's headers on the answer
 
     @property
     def completion_cap(self):
