@@ -17,6 +17,7 @@ from anthropic.types.message_create_params import MessageCreateParamsBase
 
 from factories import model_entry
 from gateway.billing import Usage
+from gateway.dialects import messages_blocks as blocks
 from gateway.dialects import messages_request as req
 from gateway.dialects.messages import MessagesCodec
 from gateway.dialects.messages_stream import ERROR_TYPES, KEEPALIVE
@@ -84,9 +85,9 @@ def test_block_keys_are_the_sdks():
     for cls in typing.get_args(content_block_param.ContentBlockParam):
         (kind,) = _literal(cls.__annotations__["type"])
         kinds[kind] = set(cls.__annotations__)
-    for kind, keys in req.BLOCK_KEYS.items():
+    for kind, keys in blocks.BLOCK_KEYS.items():
         assert keys == kinds[kind], kind
-    assert set(kinds) <= set(req.BLOCK_KEYS) | set(req.UNSUPPORTED_BLOCKS)
+    assert set(kinds) <= set(blocks.BLOCK_KEYS) | set(blocks.UNSUPPORTED_BLOCKS)
     assert req.CUSTOM_TOOL_KEYS == set(tool_param.ToolParam.__annotations__)
 
 
@@ -267,7 +268,7 @@ def test_tool_loop_shapes():
     assert chat.messages[2:] == [
         {"role": "tool", "tool_call_id": "toolu_1", "content": "18 C"},
         {"role": "tool", "tool_call_id": "toolu_2",
-         "content": req.TOOL_ERROR_PREFIX + "timeout"},
+         "content": blocks.TOOL_ERROR_PREFIX + "timeout"},
         {"role": "user", "content": [{"type": "text", "text": "Summarise."}]}]
 
 
