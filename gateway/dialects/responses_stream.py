@@ -11,6 +11,7 @@ with its ``type`` and a ``sequence_number`` counting from 0, framed as
 """
 import json
 import time
+from decimal import Decimal
 
 from ..backends.sse import KEEPALIVE, dumps
 from .responses_request import new_id
@@ -343,7 +344,7 @@ class ResponsesStream:
                                       incomplete=reason)
         kind = "response.incomplete" if reason else "response.completed"
         out += self._lifecycle(kind, self._final, charged_usd)
-        self._final = json.loads(dumps(self._final, charged_usd))
+        self._final = json.loads(dumps(self._final, charged_usd), parse_float=Decimal)
         return out
 
     def error(self, err):
