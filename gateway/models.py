@@ -149,3 +149,22 @@ maintenance = sa.Table(
     sa.Column("message", sa.Text, nullable=True),
     sa.Column("updated_at", TS, nullable=False, server_default=sa.func.current_timestamp()),
 )
+
+# Stored responses (POST /v1/responses with ``store``; docs/RESPONSES.md): the customer's data,
+# per org, until ``expires_at`` (then swept). ``response`` and ``input_items`` are JSON text;
+# ``generation_id`` names the usage event that billed it (no foreign key: a response outlives
+# nothing it names, and an unmetered gateway writes no usage event).
+stored_responses = sa.Table(
+    "stored_responses", metadata,
+    sa.Column("id", sa.String(64), primary_key=True),  # resp_...
+    sa.Column("org_id", sa.Integer, sa.ForeignKey("orgs.id"), nullable=False),
+    sa.Column("generation_id", sa.String(40), nullable=True),
+    sa.Column("created_at", TS, nullable=False),
+    sa.Column("expires_at", TS, nullable=False),
+    sa.Column("model", sa.String(200), nullable=False),
+    sa.Column("previous_response_id", sa.String(64), nullable=True),
+    sa.Column("response", sa.Text, nullable=False),
+    sa.Column("input_items", sa.Text, nullable=False),
+    sa.Index("ix_stored_responses_org_created", "org_id", "created_at"),
+    sa.Index("ix_stored_responses_expires", "expires_at"),
+)

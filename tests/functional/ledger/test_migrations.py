@@ -14,7 +14,7 @@ from gateway_proc import create_database, drop_database
 
 KILN = str(Path(sys.executable).with_name("kiln"))
 TABLES = {"orgs", "api_keys", "credit_balances", "credit_grants", "usage_events", "in_flight",
-          "maintenance", "usage_daily"}
+          "maintenance", "usage_daily", "stored_responses"}
 
 
 def kiln(url, *args, check=True):

@@ -1,0 +1,168 @@
+"""Stored responses: what ``POST /v1/responses`` keeps when ``store`` is true, per org, until it
+expires (docs/RESPONSES.md, "Stored responses").
+
+Each row holds one response object and the input items of its own request (JSON text), and
+names the response it continued (``previous_response_id``). :func:`load_chain` walks that chain
+in one recursive statement, so a continued conversation costs one round trip whatever its
+length. Every read and delete is scoped to the org: another org's id, an unknown id and an
+expired one are the same 404. Stored content is the customer's data: nothing here logs it.
+
+May import only ``gateway.ledger`` and the shared modules (models, db, errors, config).
+"""
+import json
+import re
+from datetime import timedelta
+from decimal import Decimal
+
+import sqlalchemy as sa
+
+from ..db import utcnow
+from ..errors import InvalidRequest, NotFound
+from ..models import stored_responses as t
+
+DEFAULT_RETENTION = timedelta(days=30)
+MAX_CHAIN = 10_000  # links followed at most (a chain is acyclic by construction; a guard)
+LIST_LIMITS = (1, 100)
+_DECIMAL = re.compile(r'"\\u0000dec:([0-9eE+.\-]+)\\u0000"')
+
+
+def _dumps(obj):
+    """JSON text of ``obj`` with each Decimal (the response's ``usage.cost``) written as its
+    exact literal, never through a float."""
+    def mark(value):
+        if isinstance(value, Decimal):
+            return f"\x00dec:{format(value, 'f')}\x00"
+        raise TypeError(f"cannot store a {type(value).__name__}")
+    return _DECIMAL.sub(r"\1", json.dumps(obj, default=mark, separators=(",", ":")))
+
+
+def _loads(text):
+    return json.loads(text, parse_float=Decimal)
+
+
+def save(engine, org_id, response, input_items, retention=DEFAULT_RETENTION,
+         generation_id=None, now=None):
+    """Store ``response`` (a Response object, dict) and its request's ``input_items``.
+
+    :param retention: a ``timedelta``: the row expires that long after now.
+    """
+    now = now or utcnow()
+    with engine.begin() as conn:
+        conn.execute(t.insert().values(
+            id=response["id"], org_id=org_id, generation_id=generation_id, created_at=now,
+            expires_at=now + retention, model=response.get("model") or "",
+            previous_response_id=response.get("previous_response_id"),
+            response=_dumps(response), input_items=_dumps(input_items)))
+
+
+def _not_found(response_id, param=None):
+    return NotFound(f"Response with id '{str(response_id)[:80]}' not found.", param=param)
+
+
+def _live(org_id, now):
+    return sa.and_(t.c.org_id == org_id, t.c.expires_at > now)
+
+
+def get(engine, org_id, response_id, now=None):
+    """Return the stored Response object of ``response_id``.
+
+    :raises NotFound: 404, unknown, expired or another org's.
+    """
+    with engine.connect() as conn:
+        text = conn.execute(sa.select(t.c.response).where(
+            t.c.id == response_id, _live(org_id, now or utcnow()))).scalar()
+    if text is None:
+        raise _not_found(response_id)
+    return _loads(text)
+
+
+def delete(engine, org_id, response_id):
+    """Delete one stored response; return OpenAI's deletion object.
+
+    :raises NotFound: 404, unknown or another org's.
+    """
+    with engine.begin() as conn:
+        gone = conn.execute(t.delete().where(t.c.id == response_id, t.c.org_id == org_id))
+    if gone.rowcount != 1:
+        raise _not_found(response_id)
+    return {"id": response_id, "object": "response", "deleted": True}
+
+
+def load_chain(engine, org_id, response_id, now=None):
+    """Return the history a request continuing ``response_id`` carries: the input items and
+    output items of every response of the chain, oldest first.
+
+    :raises NotFound: 404 (``param`` ``previous_response_id``) when ``response_id`` or any
+        response before it is unknown, expired, deleted or another org's: a conversation is
+        never continued with part of its history missing.
+    """
+    now = now or utcnow()
+    head = sa.select(t.c.id, t.c.previous_response_id, t.c.response, t.c.input_items,
+                     sa.literal(0).label("depth")).where(
+        t.c.id == response_id, _live(org_id, now)).cte("chain", recursive=True)
+    link = sa.select(t.c.id, t.c.previous_response_id, t.c.response, t.c.input_items,
+                     (head.c.depth + 1).label("depth")).join(
+        head, t.c.id == head.c.previous_response_id).where(
+        _live(org_id, now), head.c.depth < MAX_CHAIN)
+    chain = head.union_all(link)
+    with engine.connect() as conn:
+        rows = conn.execute(sa.select(chain).order_by(chain.c.depth.desc())).all()
+    if not rows:
+        raise _not_found(response_id, "previous_response_id")
+    if rows[0].previous_response_id is not None:  # the oldest found still names another
+        raise _not_found(rows[0].previous_response_id, "previous_response_id")
+    history = []
+    for row in rows:
+        history += _loads(row.input_items)
+        history += _loads(row.response).get("output") or []
+    return history
+
+
+def input_items(engine, org_id, response_id, after=None, limit=20, order="desc", now=None):
+    """Return OpenAI's list object of the input items of ``response_id``'s own request.
+
+    :param after: an item id: list the items after it, in ``order``.
+    :param order: ``asc`` or ``desc`` (OpenAI's default).
+    :raises InvalidRequest: 400, a bad ``limit``, ``order`` or ``after``.
+    :raises NotFound: 404.
+    """
+    if order not in ("asc", "desc"):
+        raise InvalidRequest("Invalid 'order': expected asc or desc.", param="order",
+                             code="invalid_value")
+    low, high = LIST_LIMITS
+    if isinstance(limit, bool) or not isinstance(limit, int) or not low <= limit <= high:
+        raise InvalidRequest(f"Invalid 'limit': expected an integer from {low} to {high}.",
+                             param="limit", code="invalid_value")
+    with engine.connect() as conn:
+        text = conn.execute(sa.select(t.c.input_items).where(
+            t.c.id == response_id, _live(org_id, now or utcnow()))).scalar()
+    if text is None:
+        raise _not_found(response_id)
+    items = _loads(text)
+    if order == "desc":
+        items.reverse()
+    if after is not None:
+        ids = [item.get("id") for item in items]
+        if after not in ids:
+            raise InvalidRequest(f"Invalid 'after': no input item '{str(after)[:80]}' in "
+                                 f"this response.", param="after", code="invalid_value")
+        items = items[ids.index(after) + 1:]
+    page = items[:limit]
+    return {"object": "list", "data": page,
+            "first_id": page[0].get("id") if page else None,
+            "last_id": page[-1].get("id") if page else None,
+            "has_more": len(items) > limit}
+
+
+def sweep_expired(engine, now=None, batch=1000):
+    """Delete stored responses past their ``expires_at``, ``batch`` at a time; return how many
+    were deleted."""
+    now = now or utcnow()
+    total = 0
+    while True:
+        ids = sa.select(t.c.id).where(t.c.expires_at <= now).limit(batch).scalar_subquery()
+        with engine.begin() as conn:
+            n = conn.execute(t.delete().where(t.c.id.in_(ids))).rowcount
+        total += n
+        if n < batch:
+            return total
