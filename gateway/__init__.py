@@ -15,10 +15,12 @@ def create_app(config=None):
     # The composition root: the one module that imports every layer.
     from .api import account, activity, auth, body_process, chat, cors, intake, openapi
     from .api import health as probes
+    from .api import messages, responses
     from .api import models as model_list
     from .backends import fleet, health, upstream
     from .contract import catalog
     from .db import create_engine
+    from .dialects.responses import ResponsesCodec
     from .errors import register_error_handlers
     from .flow.life import Services
     from .ledger import Ledger, NullLedger
@@ -40,11 +42,13 @@ def create_app(config=None):
         "kiln": services, "kiln.engine": engine, "kiln.catalog": services.catalog,
         "kiln.metrics": services.metrics, "kiln.key_cache": {}, "kiln.maintenance": {},
         "kiln.unknown_keys": {}, "kiln.key_used": {},
+        "kiln.responses_codec": ResponsesCodec(config.responses_store_default),
         "kiln.parse_budget": intake.ParseBudget(config.parse_budget_bytes, config.parse_wait_s),
         "kiln.body_process": body_process.BodyProcess(config.models, config.max_body_bytes),
     })
     register_error_handlers(app)
-    for blueprint in (auth.bp, chat.bp, model_list.bp, account.bp, activity.bp):
+    for blueprint in (auth.bp, chat.bp, messages.bp, responses.bp, model_list.bp, account.bp,
+                      activity.bp):
         app.register_blueprint(blueprint, url_prefix="/v1")
     app.register_blueprint(probes.bp)
     app.register_blueprint(openapi.bp)

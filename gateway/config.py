@@ -65,11 +65,14 @@ class Config:
     probe_timeout_s: float = 2.0
     backend_wait_s: float = 5.0
     slot_dir: str = ""
+    # Stored responses (POST /v1/responses, docs/RESPONSES.md): whether ``store`` defaults to
+    # true, as OpenAI's does, and how long a stored response is kept (then swept).
+    responses_store_default: bool = True
+    responses_retention_days: int = 30
     # Bounded work before admission (gateway/api/intake.py, gateway/api/auth.py): the longest a
-    # request
-    # body may take to arrive (408); the bytes of large bodies one worker reads and parses at
-    # once, and the longest wait for a share of them (then 503 with Retry-After); how long an
-    # unknown key is remembered as unknown (no database query for it meanwhile).
+    # request body may take to arrive (408); the bytes of large bodies one worker reads and
+    # parses at once, and the longest wait for a share of them (then 503 with Retry-After); how
+    # long an unknown key is remembered as unknown (no database query for it meanwhile).
     body_timeout_s: float = 30.0
     parse_budget_bytes: int = 32 * 1024 * 1024
     parse_wait_s: float = 2.0

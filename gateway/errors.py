@@ -219,29 +219,40 @@ def json_error(status, envelope, headers=None):
                     headers=headers)
 
 
-def register_error_handlers(app):
-    """Render every error raised in a view in the OpenAI envelope, never an HTML page."""
+def register_error_handlers(target, render=None):
+    """Render every error raised in a view in an error envelope, never an HTML page.
 
-    @app.errorhandler(GatewayError)
-    def _gateway_error(err):
+    :param target: the app (every view) or a blueprint (its views: a dialect's own envelope).
+    :param render: ``GatewayError -> (HTTP status, JSON object)``, a dialect codec's
+        ``error_body``; None: the OpenAI envelope (and a backend failure's plain-text 502).
+    """
+
+    def _respond(err):
         g.kiln_error_code = err.code  # for the error metrics: a 502 body is plain text
-        return err.to_response()
+        if render is None:
+            return err.to_response()
+        status, body = render(err)
+        return json_error(status, body, err.headers)
 
-    @app.errorhandler(HTTPException)
+    @target.errorhandler(GatewayError)
+    def _gateway_error(err):
+        return _respond(err)
+
+    @target.errorhandler(HTTPException)
     def _http_error(err):
-        return HTTPError(err).to_response()
+        return _respond(HTTPError(err))
 
-    @app.errorhandler(sa_exc.TimeoutError)
+    @target.errorhandler(sa_exc.TimeoutError)
     def _database_busy(err):
-        return _gateway_error(DatabaseBusy())
+        return _respond(DatabaseBusy())
 
-    @app.errorhandler(sa_exc.OperationalError)
+    @target.errorhandler(sa_exc.OperationalError)
     def _database_down(err):
         log.error("database unavailable: %s", err.orig or err)
-        return _gateway_error(DatabaseUnavailable())
+        return _respond(DatabaseUnavailable())
 
-    @app.errorhandler(Exception)
+    @target.errorhandler(Exception)
     def _unexpected(err):
         # The one catch-all: internals stay in the log, the client gets the envelope.
         log.exception("unhandled error")
-        return InternalError().to_response()
+        return _respond(InternalError())

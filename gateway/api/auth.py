@@ -91,7 +91,8 @@ def lookup(engine, key, default_limit):
 
 
 def authenticate():
-    """Resolve the request's bearer key into a :class:`Principal`.
+    """Resolve the request's key into a :class:`Principal`: ``Authorization: Bearer``, or,
+    without that header, ``x-api-key`` (Anthropic's).
 
     :raises Unauthorized: no key, or an unknown one (401).
     :raises Forbidden: a revoked key or a suspended org (403).
@@ -99,6 +100,8 @@ def authenticate():
     header = request.headers.get("Authorization", "")
     scheme, _, key = header.partition(" ")
     key = key.strip()
+    if not header and request.headers.get("x-api-key"):  # Anthropic's clients send this
+        scheme, key = "bearer", request.headers["x-api-key"].strip()
     if scheme.lower() != "bearer" or not key:
         raise Unauthorized("Missing API key: send 'Authorization: Bearer <key>'.")
     principal = _cached_lookup(key) if _KEY_SHAPE.fullmatch(key) else None

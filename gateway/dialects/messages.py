@@ -45,14 +45,18 @@ class MessagesCodec:
             body["request_id"] = gid
         return err.status, body
 
-    def render_json(self, completion, usage, charged_usd, request):
+    def render_json(self, completion, usage, charged_usd, request, stops_hit=None):
         """Return the Anthropic message (JSON bytes) of a chat completion (after Kiln's stop and
-        tool rules), with the usage billed and ``usage.cost`` the USD charged, exact."""
+        tool rules), with the usage billed and ``usage.cost`` the USD charged, exact.
+
+        :param stops_hit: ``{choice index: stop string}`` Kiln cut at: the ``stop_sequence``.
+        """
         choices = completion.get("choices") or [{}]
         choice = choices[0] if isinstance(choices[0], dict) else {}
         message = choice.get("message") if isinstance(choice.get("message"), dict) else {}
         content = _blocks(message)
-        reason, sequence = stop_reason(choice.get("finish_reason"), matched_stop(choice),
+        matched = (stops_hit or {}).get(choice.get("index", 0)) or matched_stop(choice)
+        reason, sequence = stop_reason(choice.get("finish_reason"), matched,
                                        any(b["type"] == "tool_use" for b in content),
                                        request.stop)
         out = {"id": new_id("msg_"), "type": "message", "role": "assistant",

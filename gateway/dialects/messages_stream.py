@@ -211,19 +211,22 @@ class MessagesStream:
         if isinstance(arguments, str) and arguments:
             yield self._delta({"type": "input_json_delta", "partial_json": arguments})
 
-    def end(self, usage, charged_usd, cut):
+    def end(self, usage, charged_usd, relayed):
         """The last events of a complete stream: open blocks closed, ``message_delta`` with
         the stop reason and the cumulative usage with ``cost`` (the USD charged), then
         ``message_stop``.
 
-        :param cut: Kiln stopped the generation at its budget: stop_reason max_tokens.
+        :param relayed: the stream's :class:`gateway.flow.rules.StreamRules`: ``cut`` (Kiln
+            stopped the generation at its budget: stop_reason max_tokens) and
+            ``matched_stops`` (the stop string Kiln cut a choice at).
         """
         out = b"" if self.started else self._start()
         out += self._close()
-        if cut:
+        if relayed.cut:
             reason, sequence = "max_tokens", None
         else:
-            reason, sequence = stop_reason(self.finish, self.matched, self.tool_blocks > 0,
+            matched = relayed.matched_stops.get(0) or self.matched
+            reason, sequence = stop_reason(self.finish, matched, self.tool_blocks > 0,
                                            self.request.stop)
         delta = {"type": "message_delta",
                  "delta": {"stop_reason": reason, "stop_sequence": sequence},

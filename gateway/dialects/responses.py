@@ -39,7 +39,7 @@ class ResponsesCodec:
         """Return ``(HTTP status, body)``: OpenAI's error envelope, as for chat."""
         return err.status, err.envelope()
 
-    def render_json(self, completion, usage, charged_usd, request):
+    def render_json(self, completion, usage, charged_usd, request, stops_hit=None):
         """Return the Response object (bytes) of a whole chat ``completion``.
 
         :param usage: :class:`gateway.billing.Usage`, the billed counts.

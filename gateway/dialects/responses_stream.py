@@ -330,11 +330,14 @@ class ResponsesStream:
                 out += self._close(it, status)
         return out
 
-    def end(self, usage, charged_usd, cut):
+    def end(self, usage, charged_usd, relayed):
         """Return the closing events and ``response.completed`` (or ``response.incomplete``
-        when Kiln cut the generation at its budget or the backend stopped at its length)."""
+        when Kiln cut the generation at its budget or the backend stopped at its length).
+
+        :param relayed: the stream's :class:`gateway.flow.rules.StreamRules` (``cut``: Kiln
+            stopped the generation at its budget)."""
         out = self._start()
-        reason = _incomplete_reason(self.finish_reason, cut)
+        reason = _incomplete_reason(self.finish_reason, relayed.cut)
         item_status = "incomplete" if reason else "completed"
         out += self._close_all(item_status)
         output = [self._item(it, item_status) for it in self.items]

@@ -14,6 +14,7 @@ from flask import current_app
 
 from ..db import utcnow
 from ..errors import ServiceUnavailable, ShuttingDown
+from ..ledger import responses as stored_responses
 from ..models import maintenance
 
 log = logging.getLogger(__name__)
@@ -72,6 +73,7 @@ def _sweep_forever(services):
         gevent.sleep(services.config.sweep_interval_s)
         try:
             services.ledger.sweep()
+            stored_responses.sweep_expired(services.engine)  # past their retention
         except sa.exc.SQLAlchemyError:
             log.exception("sweep failed; retrying next interval")
 

@@ -11,6 +11,8 @@ from decimal import Decimal
 
 import anthropic
 import httpx2
+from types import SimpleNamespace
+
 import pytest
 from anthropic.types import content_block_param, message_count_tokens_params, tool_param
 from anthropic.types.message_create_params import MessageCreateParamsBase
@@ -27,6 +29,11 @@ from gateway.errors import (DatabaseBusy, Forbidden, GatewayError, InsufficientC
                             UpstreamTimeout)
 
 pytestmark = pytest.mark.unit
+
+
+def relayed(cut, matched_stops=None):
+    """What the flow tells a stream's end of what it relayed (gateway.flow.rules.StreamRules)."""
+    return SimpleNamespace(cut=cut, matched_stops=matched_stops or {})
 
 CODEC = MessagesCodec()
 CATALOG = {
@@ -451,7 +458,7 @@ def chunk(delta=None, finish=None, usage=None):
 def run_stream(chunks, usage, cut=False, request=None, charged=COST):
     stream = CODEC.stream_renderer(request or parse(stream=True))
     out = b"".join(stream.chunk(*c) for c in chunks)
-    return out + stream.end(usage, charged, cut)
+    return out + stream.end(usage, charged, relayed(cut))
 
 
 def test_stream_of_text_and_reasoning_through_the_sdk():
@@ -501,7 +508,8 @@ def test_stream_usage_only_chunk_and_usage_missing_end():
     stream = CODEC.stream_renderer(parse(stream=True))
     assert stream.chunk(*chunk(usage={"prompt_tokens": 1})) == b""
     # no chunk with choices ever came: the end still starts the message
-    raw = stream.end(Usage(prompt=40, completion=0, estimated=True), Decimal("0.000004"), False)
+    raw = stream.end(Usage(prompt=40, completion=0, estimated=True), Decimal("0.000004"),
+                     relayed(False))
     events = sse(raw)
     assert [n for n, _ in events] == [b"message_start", b"ping", b"message_delta",
                                       b"message_stop"]

@@ -7,6 +7,8 @@ import typing
 from decimal import Decimal
 
 import openai
+from types import SimpleNamespace
+
 import pytest
 from openai.types.responses import Response, ResponseStreamEvent, response_create_params
 from openai.types.responses.tool_param import ToolParam
@@ -24,6 +26,11 @@ except ImportError:
     import httpx
 
 pytestmark = pytest.mark.unit
+
+
+def relayed(cut, matched_stops=None):
+    """What the flow tells a stream's end of what it relayed (gateway.flow.rules.StreamRules)."""
+    return SimpleNamespace(cut=cut, matched_stops=matched_stops or {})
 
 CATALOG = {"m": model_entry(), "vision": model_entry(
     id="vision", input=("text", "image"), response_format=True, forced_tool_choice=True,
@@ -411,7 +418,7 @@ def run(chunks, req=None, usage=USAGE, charged=Decimal("0.000003001"), cut=False
     req = req or parse(stream=True, tools=[FN])
     stream = CODEC.stream_renderer(req)
     out = b"".join(stream.chunk(json.dumps(c).encode(), c) for c in chunks)
-    out += stream.error(error) if error else stream.end(usage, charged, cut)
+    out += stream.error(error) if error else stream.end(usage, charged, relayed(cut))
     return out, stream
 
 

@@ -1,0 +1,111 @@
+"""The OpenAI Responses API: ``POST /v1/responses`` (a generation, on the same flow and meter as
+chat), and the org's stored responses: ``GET`` and ``DELETE /v1/responses/{id}``, ``GET
+/v1/responses/{id}/input_items`` (docs/RESPONSES.md).
+
+A request with ``previous_response_id`` carries that chain's items (the org's own only: another
+org's id is a 404), which are metered and held for like any input. A response is stored, when
+``store`` asks for it, before its last bytes leave, so that the next request can continue it.
+"""
+import json
+import logging
+from datetime import timedelta
+from decimal import Decimal
+
+from flask import Blueprint, current_app, g, jsonify, request
+
+from ..endings import Status
+from ..errors import Forbidden, InvalidRequest, register_error_handlers
+from ..flow.life import respond
+from ..ledger import responses as stored
+from ..ops import lifecycle
+from .auth import require_key
+from .bodies import never_drained, read_body
+
+log = logging.getLogger(__name__)
+bp = Blueprint("responses", __name__)
+bp.after_request(never_drained)
+register_error_handlers(bp)  # OpenAI's envelope, as for chat
+KEPT = (Status.COMPLETED,)   # a failed or cancelled response is not stored
+
+
+def codec():
+    """The app's Responses codec (its ``store`` default is a setting)."""
+    return current_app.extensions["kiln.responses_codec"]
+
+
+@bp.post("/responses")
+@require_key
+def create_response():
+    """Create a response, metered and billed; JSON or the typed event stream."""
+    services, dialect = current_app.extensions["kiln"], codec()
+    body, body_bytes = read_body(services, current_app.extensions["kiln.parse_budget"],
+                                 dialect.name)
+    history = _history(services, body)
+    if history:  # the carried items count in the hold's prompt bound like any input
+        body_bytes += len(json.dumps(history, separators=(",", ":"), default=str))
+    chat = dialect.parse(body, services.catalog, body_bytes, history)
+    if not g.principal.may_use(chat.entry.id):
+        raise Forbidden(f"This API key may not use model '{chat.entry.id}'.", param="model",
+                        code="model_not_allowed")
+    lifecycle.check_maintenance()
+    on_answer = _store(services, g.principal.org_id, chat) if chat.store else None
+    return respond(services, g.principal, chat, dialect, request.environ, on_answer)
+
+
+def _history(services, body):
+    previous = body.get("previous_response_id") if isinstance(body, dict) else None
+    if previous is None:
+        return None
+    if not isinstance(previous, str) or not previous:
+        raise InvalidRequest("Invalid 'previous_response_id': expected a response id.",
+                             param="previous_response_id", code="invalid_value")
+    return stored.load_chain(services.engine, g.principal.org_id, previous)
+
+
+def _store(services, org_id, chat):
+    """Return the flow's ``on_answer`` callback that keeps a completed response."""
+    retention = timedelta(days=services.config.responses_retention_days)
+
+    def keep(gid, outcome, tail, renderer):
+        if outcome.status not in KEPT:
+            return
+        response = renderer.response() if renderer is not None else \
+            json.loads(tail, parse_float=Decimal)
+        try:
+            stored.save(services.engine, org_id, response, chat.input_items, retention,
+                        generation_id=gid)
+        except Exception:  # noqa: BLE001 - the answer is paid for: it leaves unstored
+            log.exception("stored response %s not saved", chat.response_id)
+    return keep
+
+
+@bp.get("/responses/<response_id>")
+@require_key
+def get_response(response_id):
+    """Return one of the org's stored responses."""
+    return jsonify(stored.get(_engine(), g.principal.org_id, response_id))
+
+
+@bp.delete("/responses/<response_id>")
+@require_key
+def delete_response(response_id):
+    """Delete one of the org's stored responses."""
+    return jsonify(stored.delete(_engine(), g.principal.org_id, response_id))
+
+
+@bp.get("/responses/<response_id>/input_items")
+@require_key
+def list_input_items(response_id):
+    """List a stored response's input items (``after``, ``limit``, ``order``)."""
+    args = request.args
+    limit = args.get("limit", "20")
+    if not limit.isdigit():
+        raise InvalidRequest("Invalid 'limit': expected an integer from 1 to 100.",
+                             param="limit", code="invalid_value")
+    return jsonify(stored.input_items(_engine(), g.principal.org_id, response_id,
+                                      after=args.get("after"), limit=int(limit),
+                                      order=args.get("order", "desc")))
+
+
+def _engine():
+    return current_app.extensions["kiln.engine"]
