@@ -1,11 +1,11 @@
 """The OpenAPI 3.1 description of Kiln's HTTP API, served without a key at ``GET /openapi.json``.
 
-Ranges, enums and limits come from the constants :mod:`gateway.contract.validation` enforces,
-so the document states the rules that run; ``tests/functional/api/test_openapi.py`` keeps it
-true by validating real requests and responses against it. Schemas use JSON Schema 2020-12,
-the dialect of OpenAPI 3.1. Rules that depend on the model (``max_tokens`` at most its max output, image parts, forced
-``tool_choice``, ``parallel_tool_calls``, ``response_format``, ``ignore_eos`` on gpt-oss) follow
-``GET /v1/models`` and are stated in descriptions.
+Ranges, enums and limits come from the constants :mod:`gateway.contract.validation` enforces, so
+the document states the rules that run; ``tests/functional/api/test_openapi.py`` keeps it true
+by validating real requests and responses against it. Schemas use JSON Schema 2020-12, the
+dialect of OpenAPI 3.1. Rules that depend on the model (``max_tokens`` at most its max output,
+image parts, forced ``tool_choice``, ``parallel_tool_calls``, ``response_format``,
+``ignore_eos`` on gpt-oss) follow ``GET /v1/models`` and are stated in descriptions.
 """
 from flask import Blueprint, current_app, jsonify
 
