@@ -19,6 +19,7 @@ def create_app(config=None):
     from .api import models as model_list
     from .backends import fleet, health, upstream
     from .contract import catalog
+    from .background import Background
     from .db import create_engine
     from .dialects.responses import ResponsesCodec
     from .errors import register_error_handlers
@@ -33,11 +34,13 @@ def create_app(config=None):
     models, gauges = catalog.load_catalog(config.models), metrics.Metrics()
     states = fleet.prepare(models, config)
     # Chosen once: the benchmarks' unmetered baseline has no ledger at all (KILN_METERING).
-    ledger = Ledger(create_engine(config, ledger=True), config, models, gauges) \
+    background = Background(lambda name: gauges.background_restarts.labels(name).inc())
+    ledger = Ledger(create_engine(config, ledger=True), config, models, gauges, background) \
         if config.metering else NullLedger()
     services = Services(config=config, engine=engine,
                         session=upstream.create_session(config.upstream_pool_size),
-                        catalog=models, metrics=gauges, ledger=ledger, states=states)
+                        catalog=models, metrics=gauges, ledger=ledger, states=states,
+                        background=background)
     app.extensions.update({
         "kiln": services, "kiln.engine": engine, "kiln.catalog": services.catalog,
         "kiln.metrics": services.metrics, "kiln.key_cache": {}, "kiln.maintenance": {},

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from flask import Response
 
+from ..background import Background
 from ..backends.exchange import Exchange
 from ..backends.fleet import Route
 from ..backends.health import BackendStates
@@ -37,6 +38,7 @@ class Services:
     metrics: object
     ledger: object
     states: dict = field(default_factory=BackendStates)  # what this worker knows of each backend
+    background: object = field(default_factory=Background)  # the worker's background greenlets
     live: set = field(default_factory=set)  # this worker's exchanges, until closed
 
 
