@@ -3,7 +3,6 @@ database refuses for its values is isolated from the others of its batch, writte
 the columns' ranges, and otherwise given up to the sweeper; a transient failure is still retried
 until it commits; a background greenlet that raises is restarted and reported down meanwhile."""
 import gevent
-import pytest
 from gevent.event import Event
 
 from gateway.background import Background
