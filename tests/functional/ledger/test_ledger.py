@@ -437,3 +437,20 @@ def test_a_settlement_the_database_refuses_does_not_hold_up_the_others(ledger_db
     long_one = next(r for r in rows if r["id"] == gids[1])
     assert long_one["backend"].startswith("http://backend.example/v1/aaa")
     assert balance == (10**9 - 3 * 7_000, 0, 0)
+
+
+@pytest.mark.parametrize("amount", ["'12abc'", "1e-10", "0", "'0.0000000001'", "-0.0000000004"])
+def test_the_database_refuses_a_grant_that_is_not_an_amount(ledger_db, amount):
+    """Plain SQL cannot credit text that is not a number (SQLite kept '12abc' as text and its
+    trigger credited $12) nor an amount that rounds to zero nano-dollars (migration 0011)."""
+    _, engine, org, _ = ledger_db
+    with pytest.raises(sa.exc.DBAPIError):
+        with engine.begin() as conn:
+            conn.execute(sa.text(f"INSERT INTO credit_grants (org_id, amount_usd) "
+                                 f"VALUES (:o, {amount})"), {"o": org.id})
+    with engine.begin() as conn:  # one nano-dollar is an amount
+        conn.execute(sa.text("INSERT INTO credit_grants (org_id, amount_usd) "
+                             "VALUES (:o, 0.000000001)"), {"o": org.id})
+    with engine.connect() as conn:
+        assert conn.execute(sa.text("SELECT balance_nanos FROM credit_balances WHERE "
+                                    "org_id = :o"), {"o": org.id}).scalar_one() == 10**9 + 1
