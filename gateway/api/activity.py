@@ -88,7 +88,16 @@ def activity():
 @page.get("/activity")
 def activity_page():
     """Serve the activity page (static; it asks for a key and calls the API with it)."""
-    response = send_from_directory(STATIC, "activity.html")
+    return send_from_directory(STATIC, "activity.html")
+
+
+@page.after_request
+def _page_headers(response):
+    """Every path the page is served from (the page, its script and stylesheet) gets the same
+    policy: nothing from elsewhere, no framing, no type sniffing, nothing kept in a cache
+    (the page shows a key's data)."""
     response.headers["Content-Security-Policy"] = PAGE_POLICY
     response.headers["Referrer-Policy"] = "no-referrer"
+    response.headers["X-Content-Type-Options"] = "nosniff"
+    response.headers["Cache-Control"] = "no-store"
     return response

@@ -19,6 +19,7 @@ cases ask for a generation an earlier case made.
 """
 import json
 import random
+import time
 import traceback
 from collections import Counter
 from dataclasses import dataclass, field
@@ -114,6 +115,17 @@ class Fuzzer:
         with self.engine.connect() as conn:
             return Ledger(*conn.execute(STATE_SQL, {"o": self.org_id}).one())
 
+    def settled_ledger(self, timeout_s=5.0):
+        """Return the org's :class:`Ledger` once no usage event of it is pending (a settlement
+        commits a few milliseconds after its answer: one of the previous case's must not move
+        the balance inside the next case's window), or as it is after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        state = self.ledger()
+        while state.pending and time.monotonic() < deadline:
+            time.sleep(0.01)
+            state = self.ledger()
+        return state
+
     def run(self, cases):
         """Run about ``cases`` cases over every operation, half positive, half negative."""
         self.start = self.ledger()
@@ -151,7 +163,7 @@ class Fuzzer:
         """Send one case and check the response and the ledger around it."""
         self._aim(label, mode, case)
         self.figures.cases[(label, mode)] += 1
-        before = self.ledger()
+        before = self.settled_ledger()
         try:
             response = case.call(base_url=self.base_url, session=self.session,
                                  headers=self.headers, timeout=60)
