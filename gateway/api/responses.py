@@ -74,8 +74,11 @@ def _store(services, org_id, chat):
         try:
             stored.save(services.engine, org_id, response, chat.input_items, retention,
                         generation_id=gid)
-        except Exception:  # noqa: BLE001 - the answer is paid for: it leaves unstored
-            log.exception("stored response %s not saved", chat.response_id)
+        except Exception as exc:  # noqa: BLE001 - the answer is paid for: it leaves unstored
+            # The class only: a database error's text quotes the statement's parameters, which
+            # hold the customer's content (never logged; docs/RESPONSES.md).
+            log.error("stored response %s not saved: %s", chat.response_id,
+                      type(exc).__name__)
     return keep
 
 

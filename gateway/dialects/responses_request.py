@@ -365,9 +365,16 @@ def _tools(tools, builder):
         kind = tool.get("type") if isinstance(tool, dict) else None
         if kind == "function":
             _keys(tool, FUNCTION_SENT + FUNCTION_DROPPED, f"tools[{i}]")
-            out.append({"type": "function",
-                        "function": {k: tool[k] for k in FUNCTION_SENT
-                                     if tool.get(k) is not None}})
+            function = {k: tool[k] for k in FUNCTION_SENT if tool.get(k) is not None}
+            description = tool.get("description")
+            if description is not None:
+                _string(description, f"tools[{i}].description")
+            if not (description or "").strip() and isinstance(tool.get("name"), str):
+                # Optional in OpenAI's reference (the Agents SDK sends none for an undocumented
+                # function); the chat contract needs one, as model servers' templates render
+                # it: the tool's name stands in, as for the Messages API.
+                function["description"] = tool["name"]
+            out.append({"type": "function", "function": function})
             builder.tool_index.append(i)
         elif isinstance(kind, str):
             dropped.append({"index": i, "type": kind})  # a hosted (or unknown) tool
