@@ -214,8 +214,7 @@ class _Builder:
                                  code="invalid_type")
         kind = item.get("type", "message")
         if resolving:
-            item = dict(item)
-            item.setdefault("id", new_id(ITEM_PREFIX.get(kind, "item_")))
+            item = _as_listed(item, kind)
             self.stored.append(item)
         if isinstance(item.get("id"), str):
             self.by_id[item["id"]] = item
@@ -295,6 +294,20 @@ class _Builder:
                                  code="invalid_type")
         self.add({"role": "tool", "tool_call_id": item["call_id"], "content": content}, where,
                  parts)
+
+
+def _as_listed(item, kind):
+    """Return ``item`` as OpenAI lists an input item (the reference's "List input items"): with
+    an ``id``, a message with its ``type`` and its content as parts (a string becomes one
+    ``input_text``, or ``output_text`` for the assistant), so the SDK's types read it back."""
+    item = dict(item)
+    item.setdefault("id", new_id(ITEM_PREFIX.get(kind, "item_")))
+    if kind == "message":
+        item["type"] = "message"
+        if isinstance(item.get("content"), str):
+            part = "output_text" if item.get("role") == "assistant" else "input_text"
+            item["content"] = [{"type": part, "text": item["content"]}]
+    return item
 
 
 ITEM_PREFIX = {"message": "msg_", "function_call": "fc_", "function_call_output": "fco_",
