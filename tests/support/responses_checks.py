@@ -58,3 +58,41 @@ def stored_ids(engine, org_id):
     with engine.connect() as conn:
         return {r[0] for r in conn.execute(sa.text(
             "SELECT id FROM stored_responses WHERE org_id = :o"), {"o": org_id})}
+
+
+def stored_generations(engine, org_id):
+    """``{response id: generation id}`` of the org's stored responses: the usage event each
+    stored response was billed as."""
+    with engine.connect() as conn:
+        return dict(conn.execute(sa.text(
+            "SELECT id, generation_id FROM stored_responses WHERE org_id = :o"),
+            {"o": org_id}).all())
+
+
+def run_agent(base_url, key, model, prompt, tools=(), stream=False, instructions=None,
+              **settings):
+    """Run an ``openai-agents`` Agent against Kiln (its Responses model on an ``AsyncOpenAI``
+    client with Kiln's base URL and key, tracing off); return the run's result, or raise what
+    the run raised.
+
+    :param settings: the Agent's ``ModelSettings`` (``temperature``, ``max_tokens``, ...)."""
+    import asyncio
+
+    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, set_tracing_disabled
+    from openai import AsyncOpenAI
+
+    set_tracing_disabled(True)
+
+    async def go():
+        async with AsyncOpenAI(base_url=base_url + "/v1", api_key=key, max_retries=0,
+                               timeout=120) as client:
+            agent = Agent(name="assistant", instructions=instructions, tools=list(tools),
+                          model=OpenAIResponsesModel(model=model, openai_client=client),
+                          model_settings=ModelSettings(**settings))
+            if not stream:
+                return await Runner.run(agent, prompt, max_turns=4)
+            result = Runner.run_streamed(agent, prompt, max_turns=4)
+            async for _ in result.stream_events():
+                pass
+            return result
+    return asyncio.run(go())

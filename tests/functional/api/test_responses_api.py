@@ -139,6 +139,9 @@ def test_previous_response_id_carries_the_chain_and_the_stored_api(client, fake,
     assert r3.previous_response_id == r2.id
     got = client.responses.retrieve(r2.id)
     assert got.id == r2.id and got.output_text == answer and got.instructions == "Be kind."
+    raw = client.responses.with_raw_response.retrieve(r2.id)
+    assert json.loads(raw.text, parse_float=Decimal)["usage"]["cost"] == \
+        Decimal(str(cost_of(r2)))  # the number the answer told, exactly (not a string)
     items = client.responses.input_items.list(r3.id, order="asc")
     assert [i.content[0].text for i in items.data] == ["What is my name?"]
     assert items.data[0].id.startswith("msg_") and items.data[0].role == "user"
