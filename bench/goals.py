@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from report import aggregate
-from scenarios import DIRECT, FLOOR, KILN, LITELLM, NOMETER, ORGS_CONNS
+from scenarios import DIRECT, FLOOR, KILN, LITELLM, NOMETER, ORGS_CONNS, RESPONSES_TURNS
 
 
 @dataclass(frozen=True)
@@ -67,6 +67,19 @@ def added_ratio(a: str, b: str, field: str):
     return lambda vals: _ratio(_added(vals, a, field), _added(vals, b, field))
 
 
+def dialect_ratio(field: str):
+    """What Kiln adds over direct on another API (``field``), over what it adds on chat
+    (``chat_<field>``), both measured on one Kiln seconds apart (bench/scenarios.py,
+    ``responses_run``); direct's value is chat's."""
+    def value(vals):
+        direct = _get(vals, DIRECT, field)
+        other, chat = _get(vals, KILN, field), _get(vals, KILN, f"chat_{field}")
+        if None in (direct, other, chat):
+            return None
+        return _ratio(other - direct, chat - direct)
+    return value
+
+
 def not_open(vals: dict):
     """Kiln's streams that were not open through the whole hold (errors included)."""
     streams = _get(vals, KILN, "streams")
@@ -86,6 +99,11 @@ def goals(open_counts, litellm_version: str = "") -> list:
              (KILN, NOMETER), raw_ratio(KILN, NOMETER, "rps"), 0.8, True),
         Goal("added p50 at 1 conn, metered / unmetered", "nonstream_c1",
              (DIRECT, KILN, NOMETER), added_ratio(KILN, NOMETER, "p50_ms"), 1.25, False),
+        Goal("/v1/responses added p50 at 1 conn / chat's", "responses_c1",
+             (DIRECT, KILN), dialect_ratio("p50_ms"), 1.2, False),
+        Goal(f"/v1/responses with a {RESPONSES_TURNS}-turn previous_response_id: added p50 / "
+             f"chat's", f"responses_prev{RESPONSES_TURNS}_c1", (DIRECT, KILN),
+             dialect_ratio("p50_ms"), 1.5, False),
         Goal(f"throughput vs {lite}, 16 conns", "tput_c16",
              (KILN, LITELLM), raw_ratio(KILN, LITELLM, "rps"), 5, True),
         Goal(f"throughput vs {lite}, 64 conns", "tput_c64",

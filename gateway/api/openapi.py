@@ -13,6 +13,7 @@ from ..endings import Status
 from .openapi_common import DECIMAL_USD, error_responses, get_operation, json_response
 from .openapi_keys import key_paths, key_schemas
 from .openapi_request import nullable, ref, request_schemas
+from .openapi_responses import responses_paths, responses_schemas
 
 bp = Blueprint("openapi", __name__)
 
@@ -33,9 +34,10 @@ def build_document(max_body_bytes):
         "info": {"title": "Kiln gateway API", "version": "1",
                  "description": "OpenAI-compatible chat completions with prepaid credits. "
                                 "Every error is the OpenAI envelope, except 502 (plain text)."},
-        "paths": {**_paths(max_body_bytes), **key_paths()},
+        "paths": {**_paths(max_body_bytes), **responses_paths(max_body_bytes), **key_paths()},
         "components": {"schemas": {**request_schemas(), **_response_schemas(),
-                                   **_account_schemas(), **key_schemas()},
+                                   **_account_schemas(), **key_schemas(),
+                                   **responses_schemas()},
                        "securitySchemes": {"apiKey": {"type": "http", "scheme": "bearer"}}},
         "security": [{"apiKey": []}],
     }
