@@ -191,6 +191,11 @@ class ResponsesStream:
         return (b"event: " + kind.encode() + b"\ndata: " + head[:-1] + b',"response":' + body
                 + b"}\n\n")
 
+    def head(self):
+        """The events sent as the stream's head leaves: ``response.created`` and
+        ``response.in_progress``, as OpenAI sends them at once."""
+        return self._start()
+
     def _start(self):
         if self.started:
             return b""

@@ -69,7 +69,9 @@ def stream(gen, exchange, request, renderer):
     if answered:
         resp = exchange.answer()
     yield Head(200, renderer.content_type, STREAM_HEADERS)
-    yield b""  # the headers leave now (the server writes them with the first body item)
+    # The headers leave now (the server writes them with the first body item), with what the
+    # dialect sends at once (Anthropic's message_start, the Responses API's response.created).
+    yield renderer.head()
     if not answered:
         yield from exchange.keepalives(config.keepalive_s, renderer.keepalive)
         resp = exchange.answer()

@@ -23,6 +23,7 @@ from ..config import Config
 from ..db import create_engine, is_postgres, storable_text, utcnow
 from ..ledger import Ledger
 from ..ledger import keys
+from ..ledger import responses as stored_responses
 from ..ledger.operator import GRANT, org_credits
 from ..ledger.keys import org_keys, set_limits
 from ..models import api_keys, credit_balances, orgs
@@ -351,11 +352,13 @@ def maintenance(ctx, state, retry_after_s, message):
 @main.command()
 @pass_ctx
 def sweep(ctx):
-    """Close generations whose in-flight lease expired (their worker died)."""
+    """Close generations whose in-flight lease expired (their worker died), and delete stored
+    responses past their retention."""
     ledger = Ledger(create_engine(ctx.config, ledger=True), ctx.config,
                     load_catalog(ctx.config.models))
     closed = ledger.sweep()
-    click.echo(f"closed {closed}")
+    purged = stored_responses.sweep_expired(ctx.engine)  # past their retention
+    click.echo(f"closed {closed}; stored responses past their retention deleted: {purged}")
 
 
 main.add_command(db)
