@@ -22,13 +22,16 @@ depends_on = None
 def upgrade():
     if op.get_bind().dialect.name == "postgresql":
         op.execute("SET LOCAL lock_timeout = '5s'")
-    with op.batch_alter_table("api_keys") as batch:
-        batch.add_column(sa.Column("org_read", sa.Boolean, nullable=False,
-                                   server_default=sa.true()))
+    # A plain ADD COLUMN on both (SQLite's batch mode would rebuild the table that
+    # usage_events refers to).
+    op.add_column("api_keys", sa.Column("org_read", sa.Boolean, nullable=False,
+                                        server_default=sa.true()))
     op.execute("UPDATE api_keys SET org_read = false "
                "WHERE allowed_models IS NOT NULL OR limit_usd IS NOT NULL")
 
 
 def downgrade():
-    with op.batch_alter_table("api_keys") as batch:
-        batch.drop_column("org_read")
+    if op.get_bind().dialect.name == "postgresql":
+        op.drop_column("api_keys", "org_read")
+    else:  # SQLite 3.35 and later drop a column in place
+        op.execute("ALTER TABLE api_keys DROP COLUMN org_read")
