@@ -99,7 +99,7 @@ def test_completion_body_per_family():
     ("vllm", {"prompt": "a", "best_of": 2}, "best_of"),
     ("generic", {"prompt": "a", "best_of": 2, "stream": True}, "best_of"),
     ("generic", {"prompt": "a", "logprobs": 6}, "logprobs"),
-    ("generic", {"prompt": "a", "max_tokens": 65}, "max_tokens"),
+    ("generic", {"prompt": "a", "max_tokens": 1025}, "max_tokens"),
     ("generic", {"prompt": "a", "top_k": 3}, "top_k"),
 ])
 def test_completion_refusals(server, body, param):
