@@ -15,7 +15,7 @@ def create_app(config=None):
     # The composition root: the one module that imports every layer.
     from .api import account, activity, auth, body_process, chat, cors, intake, openapi
     from .api import health as probes
-    from .api import messages, responses
+    from .api import legacy, messages, responses
     from .api import models as model_list
     from .backends import fleet, health, upstream
     from .contract import catalog
@@ -50,8 +50,8 @@ def create_app(config=None):
         "kiln.body_process": body_process.BodyProcess(config.models, config.max_body_bytes),
     })
     register_error_handlers(app)
-    for blueprint in (auth.bp, chat.bp, messages.bp, responses.bp, model_list.bp, account.bp,
-                      activity.bp):
+    for blueprint in (auth.bp, chat.bp, messages.bp, responses.bp, legacy.bp, model_list.bp,
+                      account.bp, activity.bp):
         app.register_blueprint(blueprint, url_prefix="/v1")
     app.register_blueprint(probes.bp)
     app.register_blueprint(openapi.bp)

@@ -9,9 +9,11 @@ image parts, forced ``tool_choice``, ``parallel_tool_calls``, ``response_format`
 """
 from flask import Blueprint, current_app, jsonify
 
+from ..contract.catalog import ENDPOINTS
 from ..endings import Status
 from .openapi_common import DECIMAL_USD, error_responses, get_operation, json_response
 from .openapi_keys import key_paths, key_schemas
+from .openapi_legacy import legacy_paths, legacy_schemas
 from .openapi_request import nullable, ref, request_schemas
 from .openapi_responses import responses_paths, responses_schemas
 
@@ -34,10 +36,11 @@ def build_document(max_body_bytes):
         "info": {"title": "Kiln gateway API", "version": "1",
                  "description": "OpenAI-compatible chat completions with prepaid credits. "
                                 "Every error is the OpenAI envelope, except 502 (plain text)."},
-        "paths": {**_paths(max_body_bytes), **responses_paths(max_body_bytes), **key_paths()},
+        "paths": {**_paths(max_body_bytes), **responses_paths(max_body_bytes), **key_paths(),
+                  **legacy_paths()},
         "components": {"schemas": {**request_schemas(), **_response_schemas(),
                                    **_account_schemas(), **key_schemas(),
-                                   **responses_schemas()},
+                                   **responses_schemas(), **legacy_schemas()},
                        "securitySchemes": {"apiKey": {"type": "http", "scheme": "bearer"}}},
         "security": [{"apiKey": []}],
     }
@@ -204,8 +207,9 @@ def _model():
                 "id": {"type": "string"}, "object": {"const": "model"},
                 "created": {"type": "integer"}, "owned_by": {"type": "string"},
                 "context_window": {"type": "integer", "minimum": 1},
-                "max_output_tokens": {"type": "integer", "minimum": 1},
+                "max_output_tokens": {"type": "integer", "minimum": 0},
                 "input_modalities": {"type": "array", "items": {"enum": ["text", "image"]}},
+                "endpoints": {"type": "array", "items": {"enum": list(ENDPOINTS)}},
                 "capabilities": {"type": "object", "properties": {
                     "parallel_tool_calls": flag, "forced_tool_choice": flag,
                     "response_format": flag, "stop": flag}},

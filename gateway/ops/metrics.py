@@ -36,6 +36,14 @@ class Metrics:
         r = self.registry
         self.requests = Counter("kiln_requests_total", "Chat requests by model and final status",
                                 ["model", "status"], registry=r)
+        # The same generations by the API the client called (a codec's name: chat, messages,
+        # responses, completions, embeddings); the series above keep their names and labels.
+        self.endpoint_requests = Counter("kiln_endpoint_requests_total",
+                                         "Generations by endpoint, model and final status",
+                                         ["endpoint", "model", "status"], registry=r)
+        self.endpoint_tokens = Counter("kiln_endpoint_tokens_total",
+                                       "Tokens metered by endpoint, model and kind",
+                                       ["endpoint", "model", "kind"], registry=r)
         self.errors = Counter("kiln_errors_total", "Error responses by HTTP status and code",
                               ["http_status", "code"], registry=r)
         self.in_flight = Gauge("kiln_in_flight", "Admitted requests not yet settled",
