@@ -136,6 +136,8 @@ usage_daily = sa.Table(
     sa.Column("day", sa.Date, primary_key=True),
     sa.Column("model", sa.String(200), primary_key=True),
     sa.Column("api_key_id", sa.Integer, sa.ForeignKey("api_keys.id"), primary_key=True),
+    # The API the requests were made to (usage_events.endpoint; migration 0013).
+    sa.Column("endpoint", sa.String(16), primary_key=True, server_default="chat"),
     sa.Column("requests", sa.BigInteger, nullable=False, server_default="0"),
     sa.Column("errors", sa.BigInteger, nullable=False, server_default="0"),
     sa.Column("prompt_tokens", sa.BigInteger, nullable=False, server_default="0"),

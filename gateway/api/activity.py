@@ -35,14 +35,15 @@ page = Blueprint("activity_page", __name__, static_folder=str(STATIC),
 
 def activity_query(org_id, first, last, key_id=None):
     """Return the SELECT of the org's rollup rows from day ``first`` to ``last`` (inclusive),
-    with each key's prefix and label, ordered by day, model and key; only key ``key_id``'s
-    when given."""
+    with each key's prefix and label, ordered by day, model, key and endpoint; only key
+    ``key_id``'s when given."""
     d = usage_daily.c
-    query = (sa.select(d.day, d.model, api_keys.c.prefix, api_keys.c.name, d.requests, d.errors,
-                       d.prompt_tokens, d.cached_tokens, d.completion_tokens, d.cost_nanos)
+    query = (sa.select(d.day, d.model, d.endpoint, api_keys.c.prefix, api_keys.c.name,
+                       d.requests, d.errors, d.prompt_tokens, d.cached_tokens,
+                       d.completion_tokens, d.cost_nanos)
              .join(api_keys, api_keys.c.id == d.api_key_id)
              .where(d.org_id == org_id, d.day >= first, d.day <= last)
-             .order_by(d.day, d.model, api_keys.c.prefix))
+             .order_by(d.day, d.model, api_keys.c.prefix, d.endpoint))
     return query if key_id is None else query.where(d.api_key_id == key_id)
 
 
@@ -51,7 +52,8 @@ def org_activity(engine, org_id, first, last, key_id=None):
     decimal string of USD)."""
     with engine.connect() as conn:
         rows = conn.execute(activity_query(org_id, first, last, key_id)).all()
-    return [{"date": r.day.isoformat(), "model": r.model, "key_prefix": r.prefix,
+    return [{"date": r.day.isoformat(), "model": r.model, "endpoint": r.endpoint,
+             "key_prefix": r.prefix,
              "key_label": r.name, "requests": r.requests, "errors": r.errors,
              "prompt_tokens": r.prompt_tokens, "cached_tokens": r.cached_tokens,
              "completion_tokens": r.completion_tokens,

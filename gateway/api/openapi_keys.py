@@ -50,6 +50,8 @@ def key_schemas():
                                           "completion_tokens", "cost_usd"],
            "properties": {"date": {"type": "string", "format": "date"},
                           "model": {"type": "string"}, "key_prefix": {"type": "string"},
+                          "endpoint": {"type": "string", "description": "The API: chat, "
+                                       "messages, responses, completions, embeddings."},
                           "key_label": {"type": ["string", "null"]}, "requests": count,
                           "errors": count, "prompt_tokens": count, "cached_tokens": count,
                           "completion_tokens": count, "cost_usd": DECIMAL_USD}}

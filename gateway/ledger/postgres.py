@@ -181,7 +181,7 @@ BEGIN
               WHERE x.gid = ANY(v_ids)),
   lease AS (DELETE FROM in_flight f USING s WHERE f.generation_id = s.gid
             RETURNING f.generation_id, f.key_hold_nanos),
-  j AS (SELECT s.*, e.org_id, e.api_key_id, e.hold_nanos, e.started_at AS began,
+  j AS (SELECT s.*, e.org_id, e.api_key_id, e.endpoint, e.hold_nanos, e.started_at AS began,
                COALESCE(l.key_hold_nanos, 0) AS key_hold, (l.generation_id IS NOT NULL) AS leased,
                (e.status = '{ABANDONED}') AS fix,
                CASE WHEN e.status = '{ABANDONED}' THEN e.cost_nanos ELSE e.hold_nanos END AS base,
@@ -234,18 +234,19 @@ BEGIN
                           SUM(d.key_hold) AS key_hold
                      FROM d GROUP BY d.api_key_id) t
             WHERE k.id = t.api_key_id RETURNING k.id),
-  daily AS (INSERT INTO usage_daily AS u (org_id, day, model, api_key_id, requests, errors,
-                                          prompt_tokens, cached_tokens, completion_tokens,
-                                          cost_nanos)
+  daily AS (INSERT INTO usage_daily AS u (org_id, day, model, api_key_id, endpoint, requests,
+                                          errors, prompt_tokens, cached_tokens,
+                                          completion_tokens, cost_nanos)
             SELECT d.org_id, CAST(d.began AT TIME ZONE 'UTC' AS date), d.model, d.api_key_id,
+                   d.endpoint,
                    COUNT(*) FILTER (WHERE NOT d.fix),
                    SUM(CASE WHEN d.status NOT IN ('{COMPLETED}', '{CANCELLED}')
                             THEN 1 ELSE 0 END
                        - CASE WHEN d.fix THEN 1 ELSE 0 END),
                    SUM(d.prompt - d.was_prompt), SUM(d.cached - d.was_cached),
                    SUM(d.completion - d.was_completion), SUM(d.debit - d.was_cost)
-              FROM d GROUP BY 1, 2, 3, 4
-            ON CONFLICT (org_id, day, model, api_key_id) DO UPDATE
+              FROM d GROUP BY 1, 2, 3, 4, 5
+            ON CONFLICT (org_id, day, model, api_key_id, endpoint) DO UPDATE
                SET requests = u.requests + EXCLUDED.requests,
                    errors = u.errors + EXCLUDED.errors,
                    prompt_tokens = u.prompt_tokens + EXCLUDED.prompt_tokens,

@@ -149,13 +149,13 @@ class SqliteStore:
             balance_nanos=bal.balance_nanos - (debit - was["cost_nanos"]),
             held_nanos=bal.held_nanos - held, in_flight=bal.in_flight - leases))
         self._key_usage(conn, s.key_id, debit - was["cost_nanos"], key_hold, now)
-        self._daily(conn, s, _aware(event.started_at), debit, was, fix)
+        self._daily(conn, s, _aware(event.started_at), debit, was, fix, event.endpoint)
         return debit
 
     def _event(self, conn, s):
         ev = usage_events.c
         columns = (ev.status, ev.hold_nanos, ev.started_at, ev.cost_nanos, ev.prompt_tokens,
-                   ev.cached_tokens, ev.completion_tokens)
+                   ev.cached_tokens, ev.completion_tokens, ev.endpoint)
         event = conn.execute(sa.select(*columns).where(ev.id == s.gid)).first()
         if event is None and s.expired_before is None:  # an admission lost in a crash
             conn.execute(usage_events.insert().values(
@@ -190,10 +190,10 @@ class SqliteStore:
         conn.execute(api_keys.update().where(api_keys.c.id == key_id).values(
             period_start=period, period_spent_nanos=spent, held_nanos=k.held_nanos - key_hold))
 
-    def _daily(self, conn, s, began, debit, was, fix):
+    def _daily(self, conn, s, began, debit, was, fix, endpoint):
         d = usage_daily.c
         key = {"org_id": s.org_id, "day": began.astimezone(timezone.utc).date(),
-               "model": s.model, "api_key_id": s.key_id}
+               "model": s.model, "api_key_id": s.key_id, "endpoint": endpoint}
         u = s.usage
         add = {"requests": int(not fix), "errors": int(s.status not in NOT_ERRORS) - int(fix),
                "prompt_tokens": u.prompt - was["prompt_tokens"],

@@ -164,3 +164,33 @@ def test_the_page_and_its_files_are_served_without_a_key(sqlite_app):
         assert (headers["X-Content-Type-Options"], headers["Cache-Control"]) == \
             ("nosniff", "no-store"), name
         assert "http://" not in text.replace("http://www.w3.org/2000/svg", "")
+
+
+@pytest.mark.postgres
+def test_activity_has_a_row_per_endpoint(gateway, fake, engine):
+    """The same key and model called through chat, the Messages API and the Responses API:
+    one row each, ``endpoint`` naming the API, whose cost sums to each endpoint's usage events
+    (migration 0013)."""
+    org = make_org(engine, f"ends-{uuid.uuid4().hex[:8]}", usd="10")
+    for _ in range(3):
+        fake.enqueue(json_reply(chat_completion("Hello", usage=make_usage(10, 5))))
+    headers = {"Authorization": f"Bearer {org.key}"}
+    for path, body in (("/v1/chat/completions", BODY),
+                       ("/v1/messages", {"model": "fake-model", "max_tokens": 16,
+                                         "messages": [{"role": "user", "content": "Say hello"}]}),
+                       ("/v1/responses", {"model": "fake-model", "input": "Say hello",
+                                          "store": False})):
+        r = requests.post(gateway.base_url + path, json=body, headers=headers, timeout=30)
+        assert r.status_code == 200, (path, r.text)
+    with engine.connect() as conn:
+        wait_until(lambda: conn.execute(sa.text(
+            "SELECT count(*) FROM usage_events WHERE org_id = :o AND status = 'completed'"),
+            {"o": org.id}).scalar_one() == 3)
+        events = dict(conn.execute(sa.text(
+            "SELECT endpoint, cost_nanos FROM usage_events WHERE org_id = :o"),
+            {"o": org.id}).all())
+    rows = activity(gateway, org).json()["data"]
+    assert {r["endpoint"]: (r["requests"], r["prompt_tokens"], r["completion_tokens"])
+            for r in rows} == {e: (1, 10, 5) for e in ("chat", "messages", "responses")}
+    assert {r["endpoint"]: Decimal(r["cost_usd"]) for r in rows} == \
+        {e: Decimal(n) / 10**9 for e, n in events.items()}

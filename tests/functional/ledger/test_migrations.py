@@ -209,3 +209,27 @@ def test_0008_rebuilds_a_sqlite_rollup_whose_days_are_numbers(tmp_path):
     kiln(url, "db", "upgrade")
     assert [row[1] for row in _rollup(engine)] == [9, 9]
     engine.dispose()
+
+
+def test_0013_folds_other_endpoints_into_chat_on_downgrade(empty_db):
+    """After 0013 the rollup keeps a row per endpoint; its downgrade adds a day's other
+    endpoints into chat's row, so no request or cost leaves the rollup."""
+    url, engine = empty_db
+    kiln(url, "db", "upgrade")
+    org, key = _org_key_and_events(engine, [])
+    with engine.begin() as conn:
+        for endpoint, requests, cost in (("chat", 2, 10), ("messages", 3, 7),
+                                         ("embeddings", 1, 1)):
+            conn.execute(sa.text(
+                "INSERT INTO usage_daily (org_id, day, model, api_key_id, endpoint, requests, "
+                "errors, prompt_tokens, cached_tokens, completion_tokens, cost_nanos) VALUES "
+                "(:o, '2026-11-30', 'm', :k, :e, :r, 1, 4, 0, 5, :c)"),
+                {"o": org, "k": key, "e": endpoint, "r": requests, "c": cost})
+    kiln(url, "db", "downgrade", "0012")
+    with engine.connect() as conn:
+        rows = conn.execute(sa.text("SELECT requests, errors, prompt_tokens, completion_tokens, "
+                                    "cost_nanos FROM usage_daily")).all()
+    assert [tuple(r) for r in rows] == [(6, 3, 12, 15, 18)]
+    kiln(url, "db", "upgrade")
+    with engine.connect() as conn:
+        assert conn.execute(sa.text("SELECT endpoint FROM usage_daily")).scalar_one() == "chat"
