@@ -96,6 +96,7 @@ class StreamRules:
         self.done = False          # the backend sent [DONE]
         self.error = None          # an error frame inside the stream, or a malformed event
         self.chunk_id, self.created, self.model = None, 0, None  # for chunks a codec writes
+        self._calls = {}           # choice index -> CallNumbers
 
     @property
     def cut(self):
@@ -145,7 +146,7 @@ class StreamRules:
         rewritten = False
         if isinstance(choices, list):
             self.indexes.update(c.get("index", 0) for c in choices if isinstance(c, dict))
-            if self.cutter or self.single_tool_call:
+            if self.cutter or self.single_tool_call or _has_tool_calls(choices):
                 rewritten = self._rewrite(obj, choices)
                 if not obj["choices"]:
                     return None  # every choice of this chunk was already ended at a stop string
@@ -182,6 +183,8 @@ class StreamRules:
             if isinstance(delta, dict):
                 if self.cutter:
                     changed |= self._cut(choice, delta, index)
+                if isinstance(delta.get("tool_calls"), list):
+                    changed |= self._calls.setdefault(index, CallNumbers()).renumber(delta)
                 if self.single_tool_call:
                     changed |= _first_tool_call_only(delta)
             elif self.cutter and isinstance(choice.get("text"), str):
@@ -221,6 +224,48 @@ class StreamRules:
             choice["text"] = echo + out
             return True
         return False
+
+
+def _has_tool_calls(choices):
+    return any(isinstance(c, dict) and isinstance(c.get("delta"), dict)
+               and c["delta"].get("tool_calls") for c in choices)
+
+
+class CallNumbers:
+    """The ``index`` each streamed tool call of one choice has for the client.
+
+    OpenAI numbers a choice's tool calls 0, 1, 2, ... and sends a call's ``id`` with its first
+    fragment; clients (the openai SDKs) join fragments by ``index``. Some servers send every
+    call at ``index`` 0, each with its own ``id``: relayed as they are, a client would join two
+    calls into one. So a fragment with an ``id`` not seen before, at an index another call
+    already has, is given the next free index, and the fragments after it (no ``id``) follow
+    it; a server that numbers its calls keeps its numbers, byte for byte.
+    """
+
+    def __init__(self):
+        self.by_id = {}    # call id -> client index
+        self.current = {}  # backend index -> client index of the call now streamed there
+        self.used = set()
+
+    def renumber(self, delta):
+        """Renumber ``delta``'s ``tool_calls`` in place; return whether any index changed."""
+        changed = False
+        for call in delta["tool_calls"]:
+            if not isinstance(call, dict) or not isinstance(call.get("index", 0), int):
+                continue
+            given, call_id = call.get("index", 0), call.get("id")
+            if isinstance(call_id, str) and call_id:
+                index = self.by_id.get(call_id)
+                if index is None:
+                    index = given if given not in self.used else max(self.used) + 1
+                    self.by_id[call_id] = index
+                self.current[given] = index
+            else:
+                index = self.current.setdefault(given, given)
+            self.used.add(index)
+            if index != given:
+                call["index"], changed = index, True
+        return changed
 
 
 def _first_tool_call_only(container):

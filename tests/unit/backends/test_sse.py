@@ -255,3 +255,49 @@ def test_everything_generated_is_counted():
     for chunk in chunks:
         r.apply(json.dumps(chunk).encode())
     assert r.meter.text() == "Helf{\"a\":hmno" and r.meter.deltas == 4
+
+
+def tool_fragment(index, call_id=None, name=None, arguments=""):
+    call = {"index": index, "function": {"arguments": arguments}}
+    if call_id:
+        call.update(id=call_id, type="function")
+        call["function"]["name"] = name
+    return json.dumps({"id": "c", "choices": [{"index": 0, "delta": {"tool_calls": [call]}}]}
+                      ).encode()
+
+
+def relayed_calls(frames):
+    """``[(index, id or None, arguments)]`` of the tool-call fragments a client was sent."""
+    out = []
+    for framed in frames:
+        if framed is None:
+            continue
+        for call in json.loads(framed[6:])["choices"][0]["delta"].get("tool_calls", []):
+            out.append((call["index"], call.get("id"), call["function"]["arguments"]))
+    return out
+
+
+# Two calls, each at index 0 with its own id: the numbering some servers use.
+ALL_AT_ZERO = [tool_fragment(0, "call_a", "get_weather"), tool_fragment(0, arguments='{"c":'),
+               tool_fragment(0, arguments='"Oslo"}'), tool_fragment(0, "call_b", "get_time"),
+               tool_fragment(0, arguments="{}")]
+
+
+def test_a_new_tool_call_id_at_a_used_index_is_a_new_call_for_the_client():
+    r = rules()
+    sent = relayed_calls(r.apply(p) for p in ALL_AT_ZERO)
+    assert sent == [(0, "call_a", ""), (0, None, '{"c":'), (0, None, '"Oslo"}'),
+                    (1, "call_b", ""), (1, None, "{}")]
+
+
+def test_one_tool_call_only_keeps_the_first_of_calls_all_numbered_zero():
+    r = rules(single_tool_call=True)
+    sent = relayed_calls(r.apply(p) for p in ALL_AT_ZERO)
+    assert sent == [(0, "call_a", ""), (0, None, '{"c":'), (0, None, '"Oslo"}')]
+
+
+def test_numbered_tool_calls_leave_byte_for_byte():
+    r = rules()
+    numbered = [tool_fragment(0, "call_a", "f"), tool_fragment(0, arguments="{}"),
+                tool_fragment(1, "call_b", "g"), tool_fragment(1, arguments="{}")]
+    assert [r.apply(p) for p in numbered] == [frame(p) for p in numbered]
