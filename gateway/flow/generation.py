@@ -94,9 +94,10 @@ class Generation:
 
     def final_usage(self):
         """Return the usage to bill (computed once): nothing if the backend's answer was never
-        taken, else its report with Kiln's own counts where it is missing or malformed."""
+        taken or its stream began with an error (a refusal), else its report with Kiln's own
+        counts where it is missing or malformed."""
         if self.usage is None:
-            if not self.exchange.accepted:
+            if not self.exchange.accepted or self.meter.refused:
                 self.usage = Usage()
             elif self.request.kind == EMBEDDINGS_ANSWER:
                 self.usage = reconcile_embeddings_usage(self.meter.reported, self._own_prompt)
@@ -123,7 +124,7 @@ class Generation:
 
     def progress(self):
         """Usage so far, for the lease renewer: no backend call (its tokenizer may be busy)."""
-        if self.usage is not None or not self.exchange.accepted:
+        if self.usage is not None or not self.exchange.accepted or self.meter.refused:
             return self.usage
         return Usage(prompt=self._own_prompt(lambda _text: None),
                      completion=self.meter.generated, estimated=True)

@@ -73,6 +73,7 @@ class Meter:
         self.reported = None     # the last usage object the backend sent (running or final)
         self.finished = set()    # choice indexes that carried a finish_reason
         self.cut = False         # Kiln stopped the generation at its budget
+        self.refused = False     # the backend's stream began with an error: nothing generated
 
     @property
     def generated(self):

@@ -128,6 +128,10 @@ class StreamRules:
         if ("error" in obj or obj.get("object") == "error") and not obj.get("choices"):
             # {"error": {...}} (vLLM, SGLang, llama.cpp) or a bare {"object": "error", ...}
             self.error = obj.get("error") or obj
+            if self.chunk_id is None and not self.meter.deltas:
+                # Its first event, before any token: the backend refused the request
+                # (docs/METERING.md): nothing is billed.
+                self.meter.refused = True
             return None
         if self.chunk_id is None:
             self.chunk_id, self.created, self.model = (obj.get("id"), obj.get("created"),

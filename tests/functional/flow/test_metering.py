@@ -221,3 +221,24 @@ def _events_of(engine, org_id):
     with engine.connect() as conn:
         return conn.execute(sa.text("SELECT id FROM usage_events WHERE org_id = :o"),
                             {"o": org_id}).scalars().all()
+
+
+@pytest.mark.parametrize("first", [{"error": {"message": "prompt refused by the content filter",
+                                              "type": "invalid_request_error"}},
+                                   {"object": "error", "message": "model is overloaded",
+                                    "code": 503}])
+def test_a_stream_that_begins_with_an_error_is_a_refusal_billed_nothing(
+        gateway, fake, org, engine, first):
+    """HTTP 200 and an error as the stream's first event, before any token: the client gets the
+    error, and nothing is billed (docs/METERING.md: nothing is billed for a request the
+    backend refused)."""
+    start = balance_nanos(engine, org.id)[0]
+    fake.enqueue(sse([first]))
+    r = post(gateway, org, stream=True)
+    events = sse_payloads(r.text)
+    assert r.status_code == 200 and "[DONE]" not in events
+    assert "error" in json.loads(events[-1])
+    event = usage_event(engine, r.headers["X-Neocloud-Generation-Id"])
+    assert (event["status"], event["cost_nanos"], event["prompt_tokens"],
+            event["completion_tokens"]) == ("upstream_error", 0, 0, 0)
+    assert balance_nanos(engine, org.id)[0] == start
