@@ -14,12 +14,14 @@ MAX_TOKENS_COUNT = 2 ** 31 - 1  # the token columns are 32-bit; no real generati
 @dataclass(frozen=True)
 class Usage:
     """Token counts of one generation. ``completion`` includes reasoning tokens; ``estimated``
-    marks counts that Kiln made itself (:mod:`gateway.flow.metering`)."""
+    marks counts that Kiln made itself (:mod:`gateway.flow.metering`); ``contradicted``, a
+    backend's usage whose fields disagreed, read from above (an anomaly)."""
 
     prompt: int = 0
     cached: int = 0
     completion: int = 0
     estimated: bool = False
+    contradicted: bool = False
 
     @classmethod
     def from_openai(cls, usage, estimated=False):

@@ -139,7 +139,8 @@ class Generation:
         cap, model = self.request.completion_cap, self.request.entry.id
         # The backend generated past the cap it was sent (Kiln cut it), or reported more than
         # Kiln held for: either way it did not keep to the length it was given.
-        anomaly = self.meter.cut or cost > self.hold_nanos or usage.completion > cap
+        anomaly = (self.meter.cut or cost > self.hold_nanos or usage.completion > cap
+                   or usage.contradicted)
         if anomaly:
             self.services.metrics.anomalies.labels(model).inc()
             log.warning(json.dumps({"event": "usage_anomaly", "generation_id": self.gid,

@@ -297,8 +297,29 @@ def reconcile_usage(reported, meter, own_prompt, own_completion):
         completion = own_completion()
     elif completion < meter.floor:
         completion, estimated = meter.floor, True
+    prompt, completion, contradicted = _from_above(reported, prompt, cached, completion)
     return Usage(prompt=prompt, cached=min(cached or 0, prompt), completion=completion,
-                 estimated=estimated)
+                 estimated=estimated or contradicted, contradicted=contradicted)
+
+
+def _from_above(reported, prompt, cached, completion):
+    """Return ``(prompt, completion, contradicted)``: the largest counts a backend's usage
+    fields imply when they disagree (reasoning tokens above the completion tokens that include
+    them, cached tokens above the prompt that includes them, a total above prompt +
+    completion, whose excess is billed as completion, the dearer kind). A customer never pays
+    less because a backend's arithmetic is off."""
+    details = reported.get("completion_tokens_details")
+    reasoning = token_count(details.get("reasoning_tokens")) if isinstance(details, dict) \
+        else None
+    total = token_count(reported.get("total_tokens"))
+    contradicted = False
+    if reasoning is not None and reasoning > completion:
+        completion, contradicted = reasoning, True
+    if cached is not None and cached > prompt:
+        prompt, contradicted = cached, True
+    if total is not None and total > prompt + completion:
+        completion, contradicted = total - prompt, True
+    return prompt, completion, contradicted
 
 
 def reconcile_embeddings_usage(reported, own_prompt):

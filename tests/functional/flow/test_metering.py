@@ -242,3 +242,20 @@ def test_a_stream_that_begins_with_an_error_is_a_refusal_billed_nothing(
     assert (event["status"], event["cost_nanos"], event["prompt_tokens"],
             event["completion_tokens"]) == ("upstream_error", 0, 0, 0)
     assert balance_nanos(engine, org.id)[0] == start
+
+
+def test_usage_that_contradicts_itself_is_billed_from_above_and_flagged(
+        gateway, fake, org, engine):
+    """Reasoning tokens above the completion tokens that include them: the usage event bills
+    the reasoning count, is ``estimated`` and an ``anomaly``, and the client is told the
+    usage billed, not the backend's."""
+    before = anomalies(gateway)
+    usage = {**make_usage(10, 5), "completion_tokens_details": {"reasoning_tokens": 40}}
+    fake.enqueue(json_reply(chat_completion("Hello", usage=usage)))
+    r = post(gateway, org)
+    told = r.json()["usage"]
+    assert (told["completion_tokens"], told["estimated"]) == (40, True)
+    event = usage_event(engine, r.headers["X-Neocloud-Generation-Id"])
+    assert (event["completion_tokens"], event["estimated"], event["anomaly"]) == (40, True, True)
+    assert event["cost_nanos"] == 10 * 100 + 40 * 300
+    assert anomalies(gateway) == before + 1
