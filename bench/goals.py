@@ -67,6 +67,16 @@ def added_ratio(a: str, b: str, field: str):
     return lambda vals: _ratio(_added(vals, a, field), _added(vals, b, field))
 
 
+def messages_vs_chat(vals: dict):
+    """What Kiln adds to a Messages request over what it adds to the same chat request, both
+    measured on Kiln in one visit (bench/scenarios.py, ``messages_run``)."""
+    direct = _get(vals, DIRECT, "p50_ms")
+    messages, chat = _get(vals, KILN, "p50_ms"), _get(vals, KILN, "chat_p50_ms")
+    if None in (direct, messages, chat):
+        return None
+    return _ratio(messages - direct, chat - direct)
+
+
 def not_open(vals: dict):
     """Kiln's streams that were not open through the whole hold (errors included)."""
     streams = _get(vals, KILN, "streams")
@@ -86,6 +96,8 @@ def goals(open_counts, litellm_version: str = "") -> list:
              (KILN, NOMETER), raw_ratio(KILN, NOMETER, "rps"), 0.8, True),
         Goal("added p50 at 1 conn, metered / unmetered", "nonstream_c1",
              (DIRECT, KILN, NOMETER), added_ratio(KILN, NOMETER, "p50_ms"), 1.25, False),
+        Goal("/v1/messages added p50 at 1 conn / chat's", "messages_c1",
+             (DIRECT, KILN), messages_vs_chat, 1.2, False),
         Goal(f"throughput vs {lite}, 16 conns", "tput_c16",
              (KILN, LITELLM), raw_ratio(KILN, LITELLM, "rps"), 5, True),
         Goal(f"throughput vs {lite}, 64 conns", "tput_c64",

@@ -14,6 +14,8 @@ Targets, all in front of one fake OpenAI-compatible upstream (bench/fake_openai.
 Scenarios (bench/scenarios.py says which targets each runs on):
 
 * ``nonstream_c1``: non-stream latency at one connection (wrk latency distribution);
+* ``messages_c1``: the same request through Anthropic's ``POST /v1/messages`` on Kiln, and
+  chat right after it (direct: chat), for what Kiln adds to each;
 * ``tput_cN``: throughput and p99 at N connections (wrk), N from ``--concurrencies``;
 * ``orgs_c64``: 64 connections, each with its own wrk thread and the key of its own org;
 * ``stream_20ms``, ``stream_1ms``: TTFT, inter-chunk gap and total over a 64-chunk stream

@@ -70,16 +70,19 @@ QUICK = Plan(
 )
 
 
-def wrk_run(target: tg.Target, connections: int, seconds: int, org_keys=None) -> dict:
+def wrk_run(target: tg.Target, connections: int, seconds: int, org_keys=None,
+            path: str = "/chat/completions") -> dict:
     """Non-stream chat completions with wrk; latencies in ms.
 
-    With ``org_keys`` every connection has its own wrk thread and its own key.
+    With ``org_keys`` every connection has its own wrk thread and its own key. ``path``
+    ``/messages`` posts the same body to Anthropic's Messages API (bench/chat.lua's body is
+    both a chat and a Messages request).
     """
     threads = connections if org_keys else 1 if connections == 1 else 2
     argv = [
         "wrk", f"-t{threads}", f"-c{connections}", f"-d{seconds}s", "--latency",
         "--timeout", "30s", "-s", str(BENCH_DIR / "chat.lua"),
-        f"{target.base_url}/chat/completions",
+        f"{target.base_url}{path}",
     ]  # fmt: skip
     env = dict(os.environ, BENCH_API_KEY=target.api_key)
     if org_keys:
@@ -111,6 +114,21 @@ def orgs_run(target: tg.Target, seconds: int) -> dict:
     if not target.org_keys:
         raise RuntimeError(f"{target.name} has no org keys")
     return wrk_run(target, ORGS_CONNS, seconds, org_keys=target.org_keys)
+
+
+def messages_run(target: tg.Target, seconds: int) -> dict:
+    """``POST /v1/messages`` at one connection, and chat right after it on the same target.
+
+    Direct (the fake upstream) speaks chat only: its value is chat's, the same upstream answer,
+    so that Kiln's column less direct's is what Kiln adds to a Messages request. On Kiln the
+    chat run that follows gives ``chat_p50_ms``, measured seconds apart from the Messages run:
+    bench/goals.py sets what each adds side by side.
+    """
+    if target.name == DIRECT:
+        return wrk_run(target, 1, seconds)
+    res = wrk_run(target, 1, seconds, path="/messages")
+    res["chat_p50_ms"] = wrk_run(target, 1, seconds)["p50_ms"]
+    return res
 
 
 def stream_run(target: tg.Target, streams: int, gap_ms: float) -> dict:
@@ -164,6 +182,16 @@ def build(plan: Plan, upstream_url: str) -> list:
             "latency",
         )
     ]
+    scs.append(
+        Scenario(
+            "messages_c1",
+            "/v1/messages non-stream, 1 conn (direct: chat)",
+            "wrk",
+            lambda t: messages_run(t, secs),
+            frozenset({DIRECT, KILN}),
+            "latency",
+        )
+    )
     for c in plan.concurrencies:
         if c == 1:
             continue  # the latency scenario above is concurrency 1

@@ -19,6 +19,7 @@ cases ask for a generation an earlier case made.
 """
 import json
 import random
+import time
 import traceback
 from collections import Counter
 from dataclasses import dataclass, field
@@ -39,6 +40,7 @@ from schemathesis.core.failures import FailureGroup
 SCHEMA_CHECKS = ("not_a_server_error", "status_code_conformance", "content_type_conformance",
                  "response_headers_conformance", "response_schema_conformance")
 CHAT = "POST /v1/chat/completions"
+MESSAGES = ("POST /v1/messages", "POST /v1/messages/count_tokens")
 GENERATION = "GET /v1/generation"
 AIMED_SHARE = 0.9
 # Share of the cases for an operation (OTHER_SHARE if not named); chat completions take what
@@ -114,6 +116,17 @@ class Fuzzer:
         with self.engine.connect() as conn:
             return Ledger(*conn.execute(STATE_SQL, {"o": self.org_id}).one())
 
+    def settled_ledger(self, timeout_s=10.0):
+        """The org's :class:`Ledger` once no usage event is pending (or after ``timeout_s``):
+        a generation settles a few milliseconds after its answer's last bytes (README,
+        "Metering"), and one settling inside the next case would be counted as that case's."""
+        deadline = time.monotonic() + timeout_s
+        state = self.ledger()
+        while state.pending and time.monotonic() < deadline:
+            time.sleep(0.01)
+            state = self.ledger()
+        return state
+
     def run(self, cases):
         """Run about ``cases`` cases over every operation, half positive, half negative."""
         self.start = self.ledger()
@@ -151,7 +164,7 @@ class Fuzzer:
         """Send one case and check the response and the ledger around it."""
         self._aim(label, mode, case)
         self.figures.cases[(label, mode)] += 1
-        before = self.ledger()
+        before = self.settled_ledger()
         try:
             response = case.call(base_url=self.base_url, session=self.session,
                                  headers=self.headers, timeout=60)
@@ -168,7 +181,7 @@ class Fuzzer:
         """Point most positive cases at what exists: a catalog model, a generation seen."""
         if mode != "positive" or self.rng.random() >= AIMED_SHARE:
             return
-        if label == CHAT and isinstance(case.body, dict):
+        if (label == CHAT or label in MESSAGES) and isinstance(case.body, dict):
             case.body["model"] = self.rng.choice(self.models)
         if label == GENERATION and self.generations and isinstance(case.query, dict):
             case.query["id"] = self.rng.choice(self.generations)
