@@ -1,4 +1,5 @@
--- wrk script: POST a small non-stream chat completion.
+-- wrk script: POST a small non-stream chat completion (or BENCH_BODY, a JSON body, to the
+-- URL's path: /v1/responses for the Responses API).
 -- Env: BENCH_API_KEY (bearer token, optional), BENCH_MODEL (default bench-model),
 --      BENCH_API_KEYS (comma-separated; thread i uses key i, so with -tN -cN every
 --      connection has a key of its own, e.g. one per org).
@@ -11,8 +12,8 @@ wrk.headers["Content-Type"] = "application/json"
 if key ~= "" then
   wrk.headers["Authorization"] = "Bearer " .. key
 end
-wrk.body = '{"model":"' .. model .. '","max_tokens":16,' ..
-  '"messages":[{"role":"user","content":"Say hello in one short sentence."}]}'
+wrk.body = os.getenv("BENCH_BODY") or ('{"model":"' .. model .. '","max_tokens":16,' ..
+  '"messages":[{"role":"user","content":"Say hello in one short sentence."}]}')
 
 local keys = {}
 for k in string.gmatch(os.getenv("BENCH_API_KEYS") or "", "[^,]+") do

@@ -5,8 +5,7 @@ A Flask app under gunicorn's gevent worker that parses the JSON body and sends i
 upstream's bytes arrive. No authentication, no validation, no metering: whatever Kiln adds on
 top of this is Kiln's own cost (the benchmark keeps this floor as a target beside direct access and
 LiteLLM). The session gets the two settings Kiln's also has (``gateway/backends/upstream.py``): no
-proxy
-lookup from the environment, and a connection pool large enough for the benchmark's
+proxy lookup from the environment, and a connection pool large enough for the benchmark's
 concurrency, so that the floor is not slowed by what any relay would configure.
 
     FLOOR_UPSTREAM_URL=http://127.0.0.1:9000/v1 gunicorn -k gevent -w 2 \\

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from report import aggregate
-from scenarios import DIRECT, FLOOR, KILN, LITELLM, NOMETER, ORGS_CONNS
+from scenarios import DIRECT, FLOOR, KILN, LITELLM, NOMETER, ORGS_CONNS, RESPONSES_TURNS
 
 
 @dataclass(frozen=True)
@@ -67,14 +67,17 @@ def added_ratio(a: str, b: str, field: str):
     return lambda vals: _ratio(_added(vals, a, field), _added(vals, b, field))
 
 
-def messages_vs_chat(vals: dict):
-    """What Kiln adds to a Messages request over what it adds to the same chat request, both
-    measured on Kiln in one visit (bench/scenarios.py, ``messages_run``)."""
-    direct = _get(vals, DIRECT, "p50_ms")
-    messages, chat = _get(vals, KILN, "p50_ms"), _get(vals, KILN, "chat_p50_ms")
-    if None in (direct, messages, chat):
-        return None
-    return _ratio(messages - direct, chat - direct)
+def dialect_ratio(field: str):
+    """What Kiln adds over direct on another API (``field``), over what it adds on chat
+    (``chat_<field>``), both measured on one Kiln seconds apart (bench/scenarios.py,
+    ``responses_run``, ``messages_run``); direct's value is chat's."""
+    def value(vals):
+        direct = _get(vals, DIRECT, field)
+        other, chat = _get(vals, KILN, field), _get(vals, KILN, f"chat_{field}")
+        if None in (direct, other, chat):
+            return None
+        return _ratio(other - direct, chat - direct)
+    return value
 
 
 def not_open(vals: dict):
@@ -97,7 +100,12 @@ def goals(open_counts, litellm_version: str = "") -> list:
         Goal("added p50 at 1 conn, metered / unmetered", "nonstream_c1",
              (DIRECT, KILN, NOMETER), added_ratio(KILN, NOMETER, "p50_ms"), 1.25, False),
         Goal("/v1/messages added p50 at 1 conn / chat's", "messages_c1",
-             (DIRECT, KILN), messages_vs_chat, 1.2, False),
+             (DIRECT, KILN), dialect_ratio("p50_ms"), 1.2, False),
+        Goal("/v1/responses added p50 at 1 conn / chat's", "responses_c1",
+             (DIRECT, KILN), dialect_ratio("p50_ms"), 1.2, False),
+        Goal(f"/v1/responses with a {RESPONSES_TURNS}-turn previous_response_id: added p50 / "
+             f"chat's", f"responses_prev{RESPONSES_TURNS}_c1", (DIRECT, KILN),
+             dialect_ratio("p50_ms"), 1.5, False),
         Goal(f"throughput vs {lite}, 16 conns", "tput_c16",
              (KILN, LITELLM), raw_ratio(KILN, LITELLM, "rps"), 5, True),
         Goal(f"throughput vs {lite}, 64 conns", "tput_c64",

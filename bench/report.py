@@ -38,6 +38,13 @@ ROWS = {
         ("rps", "req/s", _HIGHER),
         ("errors", "errors", _IF_ANY),
     ],
+    "dialect": [  # another API beside chat, on the same target (bench/scenarios.py)
+        ("p50_ms", "p50 ms", {}),
+        ("chat_p50_ms", "chat's p50 ms", {}),
+        ("rps", "req/s", _HIGHER),
+        ("chat_rps", "chat's req/s", _HIGHER),
+        ("errors", "errors", _IF_ANY),
+    ],
     "stream": [
         ("ttft_p50_ms", "TTFT p50 ms", {}),
         ("gap_p99_ms", "chunk gap p99 ms", {}),

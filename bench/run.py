@@ -14,10 +14,13 @@ Targets, all in front of one fake OpenAI-compatible upstream (bench/fake_openai.
 Scenarios (bench/scenarios.py says which targets each runs on):
 
 * ``nonstream_c1``: non-stream latency at one connection (wrk latency distribution);
-* ``messages_c1``: the same request through Anthropic's ``POST /v1/messages`` on Kiln, and
-  chat right after it (direct: chat), for what Kiln adds to each;
+* ``messages_c1``: chat's request through Anthropic's ``POST /v1/messages`` at one connection
+  beside chat's on the same Kiln;
 * ``tput_cN``: throughput and p99 at N connections (wrk), N from ``--concurrencies``;
 * ``orgs_c64``: 64 connections, each with its own wrk thread and the key of its own org;
+* ``responses_c1``, ``responses_prev20_c1``: ``POST /v1/responses`` at one connection beside
+  chat's on the same Kiln, plain and continuing a stored 20-turn conversation
+  (``previous_response_id``);
 * ``stream_20ms``, ``stream_1ms``: TTFT, inter-chunk gap and total over a 64-chunk stream
   paced at 20 ms and at 1 ms (bench/stream_probe.py);
 * ``open_N``: N slow streams opened at once and held: errors, time to open, RSS per stream,
@@ -246,6 +249,9 @@ def summary(kind: str, res: dict) -> str:
          for k, v in res.items()}  # fmt: skip
     if kind == "wrk":
         return f"{r['rps']} req/s p50 {r['p50_ms']} ms p99 {r['p99_ms']} ms errors {r['errors']}"
+    if kind == "dialect":
+        return (f"{r['rps']} req/s p50 {r['p50_ms']} ms (chat {r['chat_rps']} req/s p50 "
+                f"{r['chat_p50_ms']} ms) errors {r['errors']}")
     if kind == "stream":
         return (
             f"ttft p50 {r['ttft_p50_ms']} gap p99 {r['gap_p99_ms']} total p50 "

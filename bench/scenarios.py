@@ -70,13 +70,14 @@ QUICK = Plan(
 )
 
 
-def wrk_run(target: tg.Target, connections: int, seconds: int, org_keys=None,
-            path: str = "/chat/completions") -> dict:
+def wrk_run(
+    target: tg.Target, connections: int, seconds: int, org_keys=None, path="/chat/completions",
+    body=None,
+) -> dict:
     """Non-stream chat completions with wrk; latencies in ms.
 
-    With ``org_keys`` every connection has its own wrk thread and its own key. ``path``
-    ``/messages`` posts the same body to Anthropic's Messages API (bench/chat.lua's body is
-    both a chat and a Messages request).
+    With ``org_keys`` every connection has its own wrk thread and its own key; ``path`` and
+    ``body`` (a dict) send another request (``/responses``).
     """
     threads = connections if org_keys else 1 if connections == 1 else 2
     argv = [
@@ -85,6 +86,8 @@ def wrk_run(target: tg.Target, connections: int, seconds: int, org_keys=None,
         f"{target.base_url}{path}",
     ]  # fmt: skip
     env = dict(os.environ, BENCH_API_KEY=target.api_key)
+    if body is not None:
+        env["BENCH_BODY"] = json.dumps(body, separators=(",", ":"))
     if org_keys:
         if len(org_keys) < connections:
             raise RuntimeError(f"{target.name}: {len(org_keys)} org keys for {connections} conns")
@@ -109,26 +112,81 @@ def wrk_run(target: tg.Target, connections: int, seconds: int, org_keys=None,
     }
 
 
+RESPONSES_TURNS = 20  # the history a previous_response_id request carries (issue 23)
+
+
+def responses_body(previous=None) -> dict:
+    """A small non-stream ``POST /v1/responses`` body, as chat.lua's chat body (the answer is
+    stored, OpenAI's default), continuing ``previous`` when given."""
+    body = {"model": "bench-model", "max_output_tokens": 16,
+            "input": "Say hello in one short sentence."}
+    if previous:
+        body["previous_response_id"] = previous
+    return body
+
+
+def responses_chain(target: tg.Target, turns: int) -> str:
+    """Store a conversation of ``turns`` responses, each continuing the one before, on
+    ``target``; return the last one's id."""
+    import http.client
+
+    from httpio import split_base_url
+
+    host, port, prefix = split_base_url(target.base_url)
+    conn = http.client.HTTPConnection(host, port, timeout=30)
+    previous = None
+    try:
+        for turn in range(turns):
+            body = {**responses_body(previous),
+                    "input": f"Turn {turn}: tell me one more thing about the sea, briefly."}
+            conn.request("POST", f"{prefix}/responses", json.dumps(body),
+                         {"Content-Type": "application/json",
+                          "Authorization": f"Bearer {target.api_key}"})
+            resp = conn.getresponse()
+            answer = resp.read()
+            if resp.status != 200:
+                raise RuntimeError(f"responses turn {turn}: {resp.status} {answer[:300]!r}")
+            previous = json.loads(answer)["id"]
+    finally:
+        conn.close()
+    return previous
+
+
+def responses_run(target: tg.Target, seconds: int, turns: int = 0) -> dict:
+    """``POST /v1/responses`` at one connection (wrk), beside chat's on the same target a few
+    seconds before: ``p50_ms``, ``rps``... are the Responses API's, ``chat_p50_ms``,
+    ``chat_rps`` chat's. With ``turns``, each request continues a stored conversation of that
+    many turns (``previous_response_id``: the chain is read and carried on every request).
+    Direct (the fake upstream) has no Responses API: its values are chat's, the baseline that
+    "added" subtracts."""
+    chat = wrk_run(target, 1, seconds)
+    out = {**chat, "chat_p50_ms": chat["p50_ms"], "chat_p99_ms": chat["p99_ms"],
+           "chat_rps": chat["rps"]}
+    if target.name == DIRECT:
+        return out
+    previous = responses_chain(target, turns) if turns else None
+    resp = wrk_run(target, 1, seconds, path="/responses", body=responses_body(previous))
+    return {**out, **resp, "errors": resp["errors"] + chat["errors"]}
+
+
+def messages_run(target: tg.Target, seconds: int) -> dict:
+    """``POST /v1/messages`` (Anthropic's Messages API) at one connection, beside chat's on the
+    same target a few seconds before, as :func:`responses_run`; the body is chat.lua's, which
+    is both a chat and a Messages request. Direct's values are chat's."""
+    chat = wrk_run(target, 1, seconds)
+    out = {**chat, "chat_p50_ms": chat["p50_ms"], "chat_p99_ms": chat["p99_ms"],
+           "chat_rps": chat["rps"]}
+    if target.name == DIRECT:
+        return out
+    msg = wrk_run(target, 1, seconds, path="/messages")
+    return {**out, **msg, "errors": msg["errors"] + chat["errors"]}
+
+
 def orgs_run(target: tg.Target, seconds: int) -> dict:
     """wrk at ``ORGS_CONNS`` connections, each with the key of a different org."""
     if not target.org_keys:
         raise RuntimeError(f"{target.name} has no org keys")
     return wrk_run(target, ORGS_CONNS, seconds, org_keys=target.org_keys)
-
-
-def messages_run(target: tg.Target, seconds: int) -> dict:
-    """``POST /v1/messages`` at one connection, and chat right after it on the same target.
-
-    Direct (the fake upstream) speaks chat only: its value is chat's, the same upstream answer,
-    so that Kiln's column less direct's is what Kiln adds to a Messages request. On Kiln the
-    chat run that follows gives ``chat_p50_ms``, measured seconds apart from the Messages run:
-    bench/goals.py sets what each adds side by side.
-    """
-    if target.name == DIRECT:
-        return wrk_run(target, 1, seconds)
-    res = wrk_run(target, 1, seconds, path="/messages")
-    res["chat_p50_ms"] = wrk_run(target, 1, seconds)["p50_ms"]
-    return res
 
 
 def stream_run(target: tg.Target, streams: int, gap_ms: float) -> dict:
@@ -180,18 +238,32 @@ def build(plan: Plan, upstream_url: str) -> list:
             lambda t: wrk_run(t, 1, secs),
             every,
             "latency",
-        )
-    ]
-    scs.append(
+        ),
         Scenario(
             "messages_c1",
-            "/v1/messages non-stream, 1 conn (direct: chat)",
-            "wrk",
+            "POST /v1/messages beside chat, 1 conn",
+            "dialect",
             lambda t: messages_run(t, secs),
             frozenset({DIRECT, KILN}),
             "latency",
-        )
-    )
+        ),
+        Scenario(
+            "responses_c1",
+            "POST /v1/responses beside chat, 1 conn",
+            "dialect",
+            lambda t: responses_run(t, secs),
+            frozenset({DIRECT, KILN}),
+            "latency",
+        ),
+        Scenario(
+            f"responses_prev{RESPONSES_TURNS}_c1",
+            f"/v1/responses continuing a {RESPONSES_TURNS}-turn history beside chat, 1 conn",
+            "dialect",
+            lambda t: responses_run(t, secs, RESPONSES_TURNS),
+            frozenset({DIRECT, KILN}),
+            "latency",
+        ),
+    ]
     for c in plan.concurrencies:
         if c == 1:
             continue  # the latency scenario above is concurrency 1

@@ -15,10 +15,11 @@ def create_app(config=None):
     # The composition root: the one module that imports every layer.
     from .api import account, activity, auth, body_process, chat, cors, intake, openapi
     from .api import health as probes
-    from .api import messages, responses
+    from .api import legacy, messages, responses
     from .api import models as model_list
     from .backends import fleet, health, upstream
     from .contract import catalog
+    from .background import Background
     from .db import create_engine
     from .dialects.responses import ResponsesCodec
     from .errors import register_error_handlers
@@ -33,11 +34,13 @@ def create_app(config=None):
     models, gauges = catalog.load_catalog(config.models), metrics.Metrics()
     states = fleet.prepare(models, config)
     # Chosen once: the benchmarks' unmetered baseline has no ledger at all (KILN_METERING).
-    ledger = Ledger(create_engine(config, ledger=True), config, models, gauges) \
+    background = Background(lambda name: gauges.background_restarts.labels(name).inc())
+    ledger = Ledger(create_engine(config, ledger=True), config, models, gauges, background) \
         if config.metering else NullLedger()
     services = Services(config=config, engine=engine,
                         session=upstream.create_session(config.upstream_pool_size),
-                        catalog=models, metrics=gauges, ledger=ledger, states=states)
+                        catalog=models, metrics=gauges, ledger=ledger, states=states,
+                        background=background)
     app.extensions.update({
         "kiln": services, "kiln.engine": engine, "kiln.catalog": services.catalog,
         "kiln.metrics": services.metrics, "kiln.key_cache": {}, "kiln.maintenance": {},
@@ -47,8 +50,8 @@ def create_app(config=None):
         "kiln.body_process": body_process.BodyProcess(config.models, config.max_body_bytes),
     })
     register_error_handlers(app)
-    for blueprint in (auth.bp, chat.bp, messages.bp, responses.bp, model_list.bp, account.bp,
-                      activity.bp):
+    for blueprint in (auth.bp, chat.bp, messages.bp, responses.bp, legacy.bp, model_list.bp,
+                      account.bp, activity.bp):
         app.register_blueprint(blueprint, url_prefix="/v1")
     app.register_blueprint(probes.bp)
     app.register_blueprint(openapi.bp)

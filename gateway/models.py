@@ -50,6 +50,9 @@ api_keys = sa.Table(
     sa.Column("period_start", TS, nullable=True),
     sa.Column("period_spent_nanos", sa.BigInteger, nullable=False, server_default="0"),
     sa.Column("held_nanos", sa.BigInteger, nullable=False, server_default="0"),
+    # The key may read its org's other keys and org-wide activity (off for restricted keys:
+    # created with a model allow-list or a spend limit; migration 0012).
+    sa.Column("org_read", sa.Boolean, nullable=False, server_default=sa.true()),
     # Optional requests per UTC minute; the current minute and its count.
     sa.Column("rpm_limit", sa.Integer, nullable=True),
     sa.Column("rate_window", TS, nullable=True),

@@ -1,4 +1,9 @@
-"""Alembic environment: the URL comes from the gateway's Config (``kiln db upgrade``)."""
+"""Alembic environment: the URL comes from the gateway's Config (``kiln db upgrade``).
+
+On Postgres each revision commits on its own (``transaction_per_migration``), so that the locks
+one takes are held only while it runs, not until the last revision of an upgrade is done:
+traffic waits on a migration for a moment, not for the whole upgrade (docs/RELIABILITY.md).
+SQLite, the embedded demo's database, keeps one transaction (its table rebuilds need it)."""
 from alembic import context
 
 from gateway.config import Config
@@ -14,7 +19,8 @@ def run_migrations_online():
     with engine.connect() as connection:
         context.configure(connection=connection, target_metadata=metadata,
                           render_as_batch=connection.dialect.name == "sqlite",
-                          compare_type=True)
+                          compare_type=True,
+                          transaction_per_migration=connection.dialect.name == "postgresql")
         with context.begin_transaction():
             context.run_migrations()
     engine.dispose()

@@ -33,22 +33,24 @@ page = Blueprint("activity_page", __name__, static_folder=str(STATIC),
                  static_url_path="/activity/static")
 
 
-def activity_query(org_id, first, last):
+def activity_query(org_id, first, last, key_id=None):
     """Return the SELECT of the org's rollup rows from day ``first`` to ``last`` (inclusive),
-    with each key's prefix and label, ordered by day, model and key."""
+    with each key's prefix and label, ordered by day, model and key; only key ``key_id``'s
+    when given."""
     d = usage_daily.c
-    return (sa.select(d.day, d.model, api_keys.c.prefix, api_keys.c.name, d.requests, d.errors,
-                      d.prompt_tokens, d.cached_tokens, d.completion_tokens, d.cost_nanos)
-            .join(api_keys, api_keys.c.id == d.api_key_id)
-            .where(d.org_id == org_id, d.day >= first, d.day <= last)
-            .order_by(d.day, d.model, api_keys.c.prefix))
+    query = (sa.select(d.day, d.model, api_keys.c.prefix, api_keys.c.name, d.requests, d.errors,
+                       d.prompt_tokens, d.cached_tokens, d.completion_tokens, d.cost_nanos)
+             .join(api_keys, api_keys.c.id == d.api_key_id)
+             .where(d.org_id == org_id, d.day >= first, d.day <= last)
+             .order_by(d.day, d.model, api_keys.c.prefix))
+    return query if key_id is None else query.where(d.api_key_id == key_id)
 
 
-def org_activity(engine, org_id, first, last):
+def org_activity(engine, org_id, first, last, key_id=None):
     """Return the rows of :func:`activity_query` as the API shows them (cost as an exact
     decimal string of USD)."""
     with engine.connect() as conn:
-        rows = conn.execute(activity_query(org_id, first, last)).all()
+        rows = conn.execute(activity_query(org_id, first, last, key_id)).all()
     return [{"date": r.day.isoformat(), "model": r.model, "key_prefix": r.prefix,
              "key_label": r.name, "requests": r.requests, "errors": r.errors,
              "prompt_tokens": r.prompt_tokens, "cached_tokens": r.cached_tokens,
@@ -78,17 +80,30 @@ def requested_days(args, today):
 @require_key
 def activity():
     """Show the caller's org's usage by UTC day, model and key: requests, errors, prompt /
-    cached / completion tokens and cost, for the last 30 days or ``?date=YYYY-MM-DD``."""
+    cached / completion tokens and cost, for the last 30 days or ``?date=YYYY-MM-DD``; a key
+    without ``org_read`` sees its own rows only (``scope: "key"``)."""
     first, last = requested_days(request.args, utcnow().date())
-    rows = org_activity(current_app.extensions["kiln.engine"], g.principal.org_id, first, last)
+    principal = g.principal
+    rows = org_activity(current_app.extensions["kiln.engine"], principal.org_id, first, last,
+                        None if principal.org_read else principal.key_id)
     return jsonify({"object": "activity", "start_date": first.isoformat(),
-                    "end_date": last.isoformat(), "data": rows})
+                    "end_date": last.isoformat(), "scope": "org" if principal.org_read else "key",
+                    "data": rows})
 
 
 @page.get("/activity")
 def activity_page():
     """Serve the activity page (static; it asks for a key and calls the API with it)."""
-    response = send_from_directory(STATIC, "activity.html")
+    return send_from_directory(STATIC, "activity.html")
+
+
+@page.after_request
+def _page_headers(response):
+    """Every path the page is served from (the page, its script and stylesheet) gets the same
+    policy: nothing from elsewhere, no framing, no type sniffing, nothing kept in a cache
+    (the page shows a key's data)."""
     response.headers["Content-Security-Policy"] = PAGE_POLICY
     response.headers["Referrer-Policy"] = "no-referrer"
+    response.headers["X-Content-Type-Options"] = "nosniff"
+    response.headers["Cache-Control"] = "no-store"
     return response

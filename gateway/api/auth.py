@@ -59,6 +59,7 @@ class Principal:
     limit_usd: object = None   # the key's spend limit (Decimal USD), or None
     limit_reset: str = None    # "daily", "weekly", "monthly", or None (never resets)
     rpm_limit: int = None      # requests per minute, or None
+    org_read: bool = True      # may read the org's other keys and org-wide activity
 
     @property
     def key_checks(self):
@@ -74,7 +75,8 @@ def lookup(engine, key, default_limit):
     """Return the :class:`Principal` for ``key`` in clear, or None when unknown."""
     k = api_keys.c
     query = (sa.select(k.id, k.prefix, k.revoked_at, k.allowed_models, k.limit_usd,
-                       k.limit_reset, k.rpm_limit, orgs.c.id.label("org_id"), orgs.c.status,
+                       k.limit_reset, k.rpm_limit, k.org_read, orgs.c.id.label("org_id"),
+                       orgs.c.status,
                        orgs.c.in_flight_limit)
              .join(orgs, orgs.c.id == api_keys.c.org_id)
              .where(api_keys.c.key_hash == hash_key(key)))
@@ -87,7 +89,7 @@ def lookup(engine, key, default_limit):
                      allowed_models=frozenset((row.allowed_models or "").split()),
                      in_flight_limit=row.in_flight_limit or default_limit,
                      limit_usd=row.limit_usd, limit_reset=row.limit_reset,
-                     rpm_limit=row.rpm_limit)
+                     rpm_limit=row.rpm_limit, org_read=row.org_read)
 
 
 def authenticate():
@@ -213,7 +215,10 @@ def current_key():
 @bp.get("/keys")
 @require_key
 def keys_of_org():
-    """List the caller's org's keys as ``GET /v1/key`` shows each (no secrets)."""
-    rows = org_keys(current_app.extensions["kiln.engine"], g.principal.org_id)
+    """List the caller's org's keys as ``GET /v1/key`` shows each (no secrets); a key without
+    ``org_read`` sees only itself."""
+    engine, principal = current_app.extensions["kiln.engine"], g.principal
+    rows = org_keys(engine, principal.org_id) if principal.org_read else \
+        [key_by_id(engine, principal.key_id)]
     now = utcnow()
     return jsonify({"object": "list", "data": [key_view(row, now) for row in rows]})

@@ -16,7 +16,8 @@ def healthz():
 
 @bp.get("/readyz")
 def readyz():
-    """Answer 200 when the database answers and the catalog is loaded, else 503."""
+    """Answer 200 when the database answers, the catalog is loaded and no background greenlet
+    (ledger writers, sweeper, prober) is down, else 503 naming what is not."""
     services = current_app.extensions["kiln"]
     try:
         with services.engine.connect() as conn:
@@ -26,4 +27,7 @@ def readyz():
         return jsonify({"status": "unavailable", "database": "unreachable"}), 503
     if not services.catalog:
         return jsonify({"status": "unavailable", "catalog": "empty"}), 503
+    if services.background.down:  # a background greenlet failed and waits to run again
+        return jsonify({"status": "unavailable",
+                        "background": dict(services.background.down)}), 503
     return jsonify({"status": "ok", "models": len(services.catalog)})

@@ -1,19 +1,22 @@
 """The OpenAPI 3.1 description of Kiln's HTTP API, served without a key at ``GET /openapi.json``.
 
-Ranges, enums and limits come from the constants :mod:`gateway.contract.validation` enforces, so the
-document states the rules that run; ``tests/test_openapi.py`` keeps it true by validating real
-requests and responses against it. Schemas use JSON Schema 2020-12, the dialect of OpenAPI 3.1.
-Rules that depend on the model (``max_tokens`` at most its max output, image parts, forced
-``tool_choice``, ``parallel_tool_calls``, ``response_format``, ``ignore_eos`` on gpt-oss) follow
-``GET /v1/models`` and are stated in descriptions.
+Ranges, enums and limits come from the constants :mod:`gateway.contract.validation` enforces, so
+the document states the rules that run; ``tests/functional/api/test_openapi.py`` keeps it true
+by validating real requests and responses against it. Schemas use JSON Schema 2020-12, the
+dialect of OpenAPI 3.1. Rules that depend on the model (``max_tokens`` at most its max output,
+image parts, forced ``tool_choice``, ``parallel_tool_calls``, ``response_format``,
+``ignore_eos`` on gpt-oss) follow ``GET /v1/models`` and are stated in descriptions.
 """
 from flask import Blueprint, current_app, jsonify
 
+from ..contract.catalog import ENDPOINTS
 from ..endings import Status
 from .openapi_common import DECIMAL_USD, error_responses, get_operation, json_response
 from .openapi_keys import key_paths, key_schemas
+from .openapi_legacy import legacy_paths, legacy_schemas
 from .openapi_messages import messages_paths, messages_schemas, messages_security_schemes
 from .openapi_request import nullable, ref, request_schemas
+from .openapi_responses import responses_paths, responses_schemas
 
 bp = Blueprint("openapi", __name__)
 
@@ -35,10 +38,12 @@ def build_document(max_body_bytes):
                  "description": "OpenAI-compatible chat completions with prepaid credits. "
                                 "Every error is the OpenAI envelope, except 502 (plain text), "
                                 "and Anthropic's envelope on /v1/messages."},
-        "paths": {**_paths(max_body_bytes), **messages_paths(max_body_bytes), **key_paths()},
+        "paths": {**_paths(max_body_bytes), **messages_paths(max_body_bytes),
+                  **responses_paths(max_body_bytes), **key_paths(), **legacy_paths()},
         "components": {"schemas": {**request_schemas(), **_response_schemas(),
                                    **_account_schemas(), **key_schemas(),
-                                   **messages_schemas()},
+                                   **messages_schemas(), **responses_schemas(),
+                                   **legacy_schemas()},
                        "securitySchemes": {"apiKey": {"type": "http", "scheme": "bearer"},
                                            **messages_security_schemes()}},
         "security": [{"apiKey": []}],
@@ -206,8 +211,9 @@ def _model():
                 "id": {"type": "string"}, "object": {"const": "model"},
                 "created": {"type": "integer"}, "owned_by": {"type": "string"},
                 "context_window": {"type": "integer", "minimum": 1},
-                "max_output_tokens": {"type": "integer", "minimum": 1},
+                "max_output_tokens": {"type": "integer", "minimum": 0},
                 "input_modalities": {"type": "array", "items": {"enum": ["text", "image"]}},
+                "endpoints": {"type": "array", "items": {"enum": list(ENDPOINTS)}},
                 "capabilities": {"type": "object", "properties": {
                     "parallel_tool_calls": flag, "forced_tool_choice": flag,
                     "response_format": flag, "stop": flag}},

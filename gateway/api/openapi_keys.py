@@ -42,7 +42,9 @@ def key_schemas():
         "rate_limit": {"anyOf": [{"type": "null"}, {
             "type": "object", "required": ["requests_per_minute"],
             "properties": {"requests_per_minute": {"type": "integer", "minimum": 1}}}]},
-        "created_at": when, "last_used_at": when, "revoked": {"type": "boolean"}}
+        "created_at": when, "last_used_at": when, "revoked": {"type": "boolean"},
+        "org_read": {"type": "boolean", "description": "May read the org's other keys and "
+                                                       "org-wide activity."}}
     day = {"type": "object", "required": ["date", "model", "key_prefix", "requests", "errors",
                                           "prompt_tokens", "cached_tokens",
                                           "completion_tokens", "cost_usd"],
@@ -59,5 +61,8 @@ def key_schemas():
                      "properties": {"object": {"const": "activity"},
                                     "start_date": {"type": "string", "format": "date"},
                                     "end_date": {"type": "string", "format": "date"},
+                                    "scope": {"enum": ["org", "key"],
+                                              "description": "key: the calling key's rows "
+                                                             "only (no org_read)."},
                                     "data": {"type": "array", "items": day}}},
     }

@@ -11,7 +11,7 @@ import logging
 from datetime import timedelta
 from decimal import Decimal
 
-from flask import Blueprint, current_app, g, jsonify, request
+from flask import Blueprint, Response, current_app, g, request
 
 from ..endings import Status
 from ..errors import Forbidden, InvalidRequest, register_error_handlers
@@ -74,8 +74,11 @@ def _store(services, org_id, chat):
         try:
             stored.save(services.engine, org_id, response, chat.input_items, retention,
                         generation_id=gid)
-        except Exception:  # noqa: BLE001 - the answer is paid for: it leaves unstored
-            log.exception("stored response %s not saved", chat.response_id)
+        except Exception as exc:  # noqa: BLE001 - the answer is paid for: it leaves unstored
+            # The class only: a database error's text quotes the statement's parameters, which
+            # hold the customer's content (never logged; docs/RESPONSES.md).
+            log.error("stored response %s not saved: %s", chat.response_id,
+                      type(exc).__name__)
     return keep
 
 
@@ -83,14 +86,14 @@ def _store(services, org_id, chat):
 @require_key
 def get_response(response_id):
     """Return one of the org's stored responses."""
-    return jsonify(stored.get(_engine(), g.principal.org_id, response_id))
+    return _json(stored.get(_engine(), g.principal.org_id, response_id))
 
 
 @bp.delete("/responses/<response_id>")
 @require_key
 def delete_response(response_id):
     """Delete one of the org's stored responses."""
-    return jsonify(stored.delete(_engine(), g.principal.org_id, response_id))
+    return _json(stored.delete(_engine(), g.principal.org_id, response_id))
 
 
 @bp.get("/responses/<response_id>/input_items")
@@ -102,9 +105,15 @@ def list_input_items(response_id):
     if not limit.isdigit():
         raise InvalidRequest("Invalid 'limit': expected an integer from 1 to 100.",
                              param="limit", code="invalid_value")
-    return jsonify(stored.input_items(_engine(), g.principal.org_id, response_id,
-                                      after=args.get("after"), limit=int(limit),
-                                      order=args.get("order", "desc")))
+    return _json(stored.input_items(_engine(), g.principal.org_id, response_id,
+                                    after=args.get("after"), limit=int(limit),
+                                    order=args.get("order", "desc")))
+
+
+def _json(obj):
+    """A JSON answer whose decimals (``usage.cost``) are the exact numbers the answer told, as
+    when it was created (Flask's own JSON would write a Decimal as a string)."""
+    return Response(stored.dumps(obj), content_type="application/json")
 
 
 def _engine():

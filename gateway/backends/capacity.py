@@ -18,9 +18,23 @@ from pathlib import Path
 
 
 def slot_dir(configured):
-    """Return the directory for slot files: ``KILN_SLOT_DIR``, else one under the temp dir."""
-    path = Path(configured) if configured else Path(tempfile.gettempdir()) / "kiln-slots"
-    path.mkdir(parents=True, exist_ok=True)
+    """Return the directory for slot and load files: ``KILN_SLOT_DIR`` (the systemd unit sets it
+    under its ``RuntimeDirectory=``), else this user's own directory under the temp dir.
+
+    The files decide a backend's cap and load for every worker of the host, so a directory
+    another user could have made first (a predictable name in a shared ``/tmp``) is refused.
+
+    :raises RuntimeError: the default directory exists but is not this user's alone.
+    """
+    if configured:
+        path = Path(configured)
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+    path = Path(tempfile.gettempdir()) / f"kiln-slots-{os.getuid()}"
+    path.mkdir(mode=0o700, exist_ok=True)
+    found = path.lstat()
+    if path.is_symlink() or found.st_uid != os.getuid() or found.st_mode & 0o077:
+        raise RuntimeError(f"{path} is not this user's private directory: set KILN_SLOT_DIR")
     return path
 
 

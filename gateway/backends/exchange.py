@@ -23,10 +23,14 @@ class Exchange:
     :param build_body: ``backend -> bytes``, the JSON body that backend is sent.
     :param stream: ask for an event stream (and watch the client while it is waited for).
     :param sock: the client's socket (``environ["gunicorn.socket"]``), or None.
+    :param path: the endpoint under each backend's base URL (the request's: chat completions,
+        ``/completions``, ``/embeddings``).
     """
 
-    def __init__(self, services, route, timeouts, build_body, stream, sock):
+    def __init__(self, services, route, timeouts, build_body, stream, sock,
+                 path=upstream.CHAT_PATH):
         self.services, self.route, self.timeouts = services, route, timeouts
+        self.path = path
         self._build_body, self._stream = build_body, stream
         self.watch = ClientWatch(sock) if stream else None
         self.call = self.pump = None
@@ -129,7 +133,7 @@ class Exchange:
 
     def _try(self, backend, timeouts_s):
         resp = upstream.open_chat(self.services.session, backend, self._build_body(backend),
-                                  timeouts_s)
+                                  timeouts_s, self.path)
         return upstream.event_stream(resp) if self._stream else resp
 
     def _observe_answer(self, sent):

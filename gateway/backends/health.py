@@ -195,7 +195,7 @@ def start_prober(app):
     services = app.extensions["kiln"]
     if state.get("prober") is not None or services.config.probe_interval_s <= 0:
         return
-    state["prober"] = gevent.spawn(_probe_forever, services)
+    state["prober"] = services.background.spawn("prober", _probe_forever, services)
 
 
 def _probe_forever(services):

@@ -53,8 +53,10 @@ def encode_body(body):
     return json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
 
 
-def open_chat(session, backend, payload, timeouts_s):
-    """POST ``payload`` to ``backend``'s chat endpoint; return the response once its status is in.
+def open_chat(session, backend, payload, timeouts_s, path=CHAT_PATH):
+    """POST ``payload`` to ``backend``'s endpoint at ``path`` (under its base URL: chat
+    completions unless told, ``/completions``, ``/embeddings``); return the response once its
+    status is in. Every endpoint's failures map through the same table (README, "API").
 
     The body is not read (``stream=True``); the caller reads it, as a whole or event by event.
 
@@ -67,7 +69,7 @@ def open_chat(session, backend, payload, timeouts_s):
     :raises ServiceUnavailable: the backend is overloaded (429) (503).
     """
     try:
-        resp = post(session, backend.url.rstrip("/") + CHAT_PATH, payload, timeouts_s)
+        resp = post(session, backend.url.rstrip("/") + path, payload, timeouts_s)
     except requests.ConnectTimeout as err:
         raise UpstreamTimeout(f"The model backend did not accept the connection within "
                               f"{timeouts_s[0]:g} s (connect timeout).",

@@ -18,6 +18,14 @@ from .images import DEFAULT_SOURCES, SOURCES
 from .parameters import PARAMETERS
 from ..backends.routing import LOAD_BOUND, POLICIES, WEIGHTED
 
+# The APIs a model may serve (its catalog ``endpoints``; chat alone by default). The Messages
+# and Responses APIs are translated to chat, so they need "chat".
+CHAT, COMPLETIONS, EMBEDDINGS = "chat", "completions", "embeddings"
+ENDPOINTS = (CHAT, COMPLETIONS, EMBEDDINGS)
+# OpenAI's bounds, the catalog's defaults: inputs per embeddings request, candidates per prompt.
+MAX_EMBEDDING_INPUTS = 2048
+MAX_BEST_OF = 20
+
 @dataclass(frozen=True)
 class Timeouts:
     """Seconds: connecting to a backend, waiting for its first byte (its status line), and the
@@ -82,6 +90,11 @@ class ModelEntry:
     routing: str = WEIGHTED  # gateway.backends.routing.POLICIES
     load_bound: float = LOAD_BOUND  # prefix-affinity: × its share of in flight, then skipped
     timeouts: tuple = ()     # ((key of TIMEOUT_KEYS, seconds), ...) set in the catalog
+    endpoints: tuple = (CHAT,)  # the APIs it serves (ENDPOINTS)
+    max_best_of: int = MAX_BEST_OF  # completions: ``best_of`` above it is refused
+    embedding_max_inputs: int = MAX_EMBEDDING_INPUTS  # embeddings: inputs per request
+    embedding_max_input_tokens: int = 0  # embeddings: tokens per input (0: the context window)
+    dimensions: bool = False  # embeddings: the model reads ``dimensions`` (Matryoshka)
     _weights: tuple = field(default=(), repr=False)
 
     def timeouts_for(self, config):
@@ -91,12 +104,17 @@ class ModelEntry:
                         given.get("first_byte_s", config.upstream_read_timeout_s),
                         given.get("idle_s", config.upstream_read_timeout_s))
 
+    @property
+    def max_input_tokens(self):
+        """Tokens one embeddings input may have."""
+        return self.embedding_max_input_tokens or self.context_window
+
     def public(self):
         """Return the public description served by ``GET /v1/models``."""
         return {
             "id": self.id, "object": "model", "created": self.created, "owned_by": self.owned_by,
             "context_window": self.context_window, "max_output_tokens": self.max_output_tokens,
-            "input_modalities": list(self.input),
+            "input_modalities": list(self.input), "endpoints": list(self.endpoints),
             "capabilities": {"parallel_tool_calls": self.parallel_tool_calls,
                              "forced_tool_choice": self.forced_tool_choice,
                              "response_format": self.response_format, "stop": self.stop},
@@ -141,16 +159,22 @@ def _check_image_sources(entry):
 
 
 def _entry(raw):
+    endpoints = _endpoints(raw)
     try:
         backends = tuple(Backend(**b) for b in raw["backends"])
-        prices = raw["pricing"]
-        pricing = Pricing(*(Decimal(str(prices[k])) for k in ("input", "cached_input", "output")))
+        pricing = _pricing(raw["pricing"], endpoints)
         extra = {k: raw[k] for k in ("family", "parallel_tool_calls", "forced_tool_choice",
                                      "response_format", "stop", "created", "owned_by",
-                                     "routing", "load_bound") if k in raw}
+                                     "routing", "load_bound", "max_best_of",
+                                     "embedding_max_inputs", "embedding_max_input_tokens",
+                                     "dimensions") if k in raw}
         extra.update({k: tuple(raw[k]) for k in ("extra_params", "image_sources") if k in raw})
+        extra["endpoints"] = endpoints
+        # An embeddings-only model generates nothing: its max output may be left out (0).
+        max_output = raw["max_output_tokens"] if endpoints != (EMBEDDINGS,) \
+            else raw.get("max_output_tokens", 0)
         entry = ModelEntry(id=raw["id"], context_window=int(raw["context_window"]),
-                           max_output_tokens=int(raw["max_output_tokens"]), pricing=pricing,
+                           max_output_tokens=int(max_output), pricing=pricing,
                            backends=backends, input=tuple(raw.get("input", ["text"])),
                            timeouts=_timeouts(raw.get("timeouts", {})),
                            _weights=tuple(b.weight for b in backends), **extra)
@@ -161,6 +185,7 @@ def _entry(raw):
         raise CatalogError(f"catalog entry {entry.id!r}: extra_params may only name "
                            f"non-OpenAI parameters (Kiln decides the others)")
     _check_image_sources(entry)
+    _check_endpoint_limits(entry)
     prices = (pricing.input, pricing.cached_input, pricing.output)
     if min(prices) < 0:
         raise CatalogError(f"catalog entry {entry.id!r}: negative price")
@@ -171,6 +196,43 @@ def _entry(raw):
         raise CatalogError(f"catalog entry {entry.id!r}: a price has more than 9 decimal places "
                            f"(nano-dollars per million tokens)")
     return entry
+
+
+def _endpoints(raw):
+    """The model's ``endpoints``: a non-empty list among :data:`ENDPOINTS`, no repeats."""
+    endpoints = raw.get("endpoints", [CHAT])
+    if (not isinstance(endpoints, list) or not endpoints or len(set(endpoints)) != len(endpoints)
+            or not all(isinstance(e, str) and e in ENDPOINTS for e in endpoints)):
+        raise CatalogError(f"catalog entry {raw.get('id', '?')!r}: endpoints must be a "
+                           f"non-empty list among {', '.join(ENDPOINTS)}, not {endpoints!r}")
+    return tuple(endpoints)
+
+
+def _pricing(prices, endpoints):
+    """Read the price table. A model that generates (chat, completions) needs ``input``,
+    ``cached_input`` and ``output``; an embeddings-only model is priced on its input alone:
+    ``cached_input`` defaults to ``input``, and an ``output`` price, never charged, must be
+    absent or 0 (docs/METERING.md, "Embeddings")."""
+    if not isinstance(prices, dict) or set(prices) - {"input", "cached_input", "output"}:
+        raise TypeError("pricing (a table of input, cached_input, output)")
+    if endpoints == (EMBEDDINGS,):
+        prices = {"cached_input": prices["input"], "output": "0", **prices}
+        if Decimal(str(prices["output"])) != 0:
+            raise ValueError("pricing: an embeddings-only model has no output price")
+    return Pricing(*(Decimal(str(prices[k])) for k in ("input", "cached_input", "output")))
+
+
+def _check_endpoint_limits(entry):
+    """The completions and embeddings bounds are whole numbers of at least 1 (the input token
+    limit 0 means the context window), ``dimensions`` a boolean."""
+    for name in ("max_best_of", "embedding_max_inputs", "embedding_max_input_tokens"):
+        value = getattr(entry, name)
+        low = 0 if name == "embedding_max_input_tokens" else 1
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise CatalogError(f"catalog entry {entry.id!r}: {name} must be a whole number, "
+                               f"{low} or more")
+    if not isinstance(entry.dimensions, bool):
+        raise CatalogError(f"catalog entry {entry.id!r}: dimensions must be true or false")
 
 
 def _timeouts(raw):

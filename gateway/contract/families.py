@@ -17,6 +17,11 @@ SAMPLING = frozenset({"temperature", "top_p", "presence_penalty", "frequency_pen
 # ``function_call`` are first rewritten by :func:`_assistant`), and of the object each content
 # part carries. Messages are built anew from these keys: nothing Kiln did not check reaches a
 # backend, and the client's objects are never modified.
+# What a family reads of a legacy completions request besides ``prompt`` and the length
+# (docs/PARAMETERS.md, "Completions").
+TEXT_SAMPLING = frozenset({"temperature", "top_p", "presence_penalty", "frequency_penalty",
+                           "seed", "n", "stop", "logit_bias", "logprobs", "echo"})
+
 SENT_KEYS = {"developer": ("role", "content", "name"), "system": ("role", "content", "name"),
              "user": ("role", "content", "name"),
              "assistant": ("role", "content", "name", "tool_calls"),
@@ -35,6 +40,17 @@ class Family:
     developer_role: bool = False  # its chat templates know the ``developer`` role
     text_parts: bool = True       # it reads text content as an array of parts for every role
     running_usage: bool = False   # it can send the running usage in every stream chunk
+    # Legacy completions and embeddings (docs/PARAMETERS.md, "Completions", "Embeddings").
+    completion_params: frozenset = TEXT_SAMPLING  # what it reads of a completions request
+    prompt_arrays: bool = True    # it reads several completions prompts in one request
+    token_prompts: bool = True    # it reads prompts and inputs given as token ids
+    base64_embeddings: bool = True  # it answers ``encoding_format: "base64"``
+    pooled_embeddings: bool = True  # one vector per input (else one per token: Kiln pools)
+
+    @property
+    def completion_length_fields(self):
+        """Where it reads the completions cap (``max_completion_tokens`` is chat's only)."""
+        return tuple(f for f in self.length_fields if f != "max_completion_tokens")
 
     @property
     def stream_options(self):
@@ -116,19 +132,29 @@ def _only_text(parts):
 FAMILIES = {f.name: f for f in (
     # A server that implements OpenAI's chat API as published.
     Family("openai", SAMPLING | {"reasoning_effort"}, ("max_tokens", "max_completion_tokens"),
-           developer_role=True),
+           developer_role=True, completion_params=TEXT_SAMPLING | {"suffix", "best_of"}),
     # Any OpenAI-compatible server: OpenAI's parameters, both length fields, no developer role.
-    Family("generic", SAMPLING | {"reasoning_effort"}, ("max_tokens", "max_completion_tokens")),
+    Family("generic", SAMPLING | {"reasoning_effort"}, ("max_tokens", "max_completion_tokens"),
+           completion_params=TEXT_SAMPLING | {"suffix", "best_of"}),
+    # vLLM: no suffix, and no best_of since its V1 engine.
     Family("vllm", SAMPLING | {"reasoning_effort", "ignore_eos", "min_tokens"},
-           ("max_tokens", "max_completion_tokens"), running_usage=True),
+           ("max_tokens", "max_completion_tokens"), running_usage=True,
+           completion_params=TEXT_SAMPLING),
     Family("sglang", SAMPLING | {"reasoning_effort", "ignore_eos", "min_tokens"},
-           ("max_tokens", "max_completion_tokens")),
+           ("max_tokens", "max_completion_tokens"),
+           completion_params=TEXT_SAMPLING,
+           base64_embeddings=False),
     # llama-cpp-python's server: reads max_tokens only; its templates want string content;
-    # one choice per request whatever n asks.
-    Family("llama-cpp-python", SAMPLING - {"n"}, ("max_tokens",), text_parts=False),
-    # llama.cpp's own server (llama-server): n_predict overrides max_tokens; n must be 1.
+    # one choice per request whatever n asks. Completions and embeddings: one string prompt
+    # per completions request, no token ids; embeddings as floats only, one vector per token
+    # when the model has no pooling of its own (a chat model's GGUF).
+    Family("llama-cpp-python", SAMPLING - {"n"}, ("max_tokens",), text_parts=False,
+           completion_params=TEXT_SAMPLING - {"n"} | {"suffix"}, prompt_arrays=False,
+           token_prompts=False, base64_embeddings=False, pooled_embeddings=False),
+    # llama.cpp's own server (llama-server): n_predict overrides max_tokens; n must be 1; its
+    # completions endpoint does not echo the prompt.
     Family("llama.cpp", SAMPLING - {"n"} | {"ignore_eos"}, ("max_tokens", "n_predict"),
-           text_parts=False),
+           text_parts=False, completion_params=TEXT_SAMPLING - {"n", "echo"}),
 )}
 
 

@@ -14,7 +14,7 @@ from . import tools
 from .families import family_of
 
 # Enumerated values as the current OpenAI chat API lists them (the openai SDK's
-# ``completion_create_params``); tests/test_parameters.py checks them against the SDK.
+# ``completion_create_params``); tests/unit/contract/test_parameters.py checks them against the SDK.
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 SERVICE_TIERS = ("auto", "default", "flex", "scale", "priority", "fast")
 VERBOSITIES = ("low", "medium", "high")

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import gevent
 
 from . import images, parameters, tools
+from .catalog import CHAT, COMPLETIONS, EMBEDDINGS
 from ..errors import InvalidRequest, ModelNotFound, UnsupportedParameter, refuse_unknown_keys
 from ..billing import prompt_bound
 
@@ -59,12 +60,38 @@ ROLES = ("developer", "system", "user", "assistant", "tool", "function")
 PART_MODALITY = {"image_url": "image", "input_audio": "audio", "file": "file"}
 
 
+# The kinds of answer the flow reads (:attr:`ChatRequest.kind`): a chat completion, a text
+# completion (OpenAI's legacy ``text_completion``), a list of embeddings.
+CHAT_ANSWER, TEXT_ANSWER, EMBEDDINGS_ANSWER = "chat", "text", "embeddings"
+# The path under a backend's base URL each endpoint is sent to.
+BACKEND_PATHS = {CHAT: "/chat/completions", COMPLETIONS: "/completions",
+                 EMBEDDINGS: "/embeddings"}
+# What OpenAI answers a request to an endpoint its model does not serve (its wording where it
+# has one), by the endpoint asked for; ``{hint}`` names an endpoint the model does serve.
+NOT_SERVED = {
+    CHAT: "This is not a chat model and thus not supported in the v1/chat/completions "
+          "endpoint. Did you mean to use {hint}?",
+    COMPLETIONS: "This is a chat model and not supported in the v1/completions endpoint. "
+                 "Did you mean to use {hint}?",
+    EMBEDDINGS: "This model does not support the v1/embeddings endpoint. Did you mean to use "
+                "{hint}?",
+}
+HINTS = {CHAT: "v1/chat/completions", COMPLETIONS: "v1/completions", EMBEDDINGS: "v1/embeddings"}
+
+
 @dataclass
 class ChatRequest:
     """A validated chat request: what the client asked, and what Kiln enforces itself.
 
     The body a backend gets is built from it by :func:`gateway.contract.parameters.upstream_body`.
+    The flow reads every canonical request through the same members (:attr:`kind`,
+    :attr:`path`, :meth:`body_for`, :attr:`routing_messages`, :attr:`prompt_bound`,
+    :attr:`completion_cap`); :mod:`gateway.contract.legacy` has the completions and
+    embeddings requests.
     """
+
+    kind = CHAT_ANSWER
+    path = BACKEND_PATHS[CHAT]
 
     entry: object            # gateway.contract.catalog.ModelEntry
     messages: list           # validated messages, as the client sent them
@@ -87,6 +114,16 @@ class ChatRequest:
         return self.max_tokens * self.n
 
     @property
+    def routing_messages(self):
+        """The messages prefix-affinity routing keys on."""
+        return self.messages
+
+    def body_for(self, backend):
+        """Return the body (dict) ``backend`` is sent
+        (:func:`gateway.contract.parameters.upstream_body`)."""
+        return parameters.upstream_body(self, backend)
+
+    @property
     def n_messages(self):
         return len(self.messages)
 
@@ -105,7 +142,7 @@ def validate_chat(body, catalog, body_bytes):
     :raises InvalidRequest: 400, ``param`` naming the field at fault.
     :raises ModelNotFound: 404 ``model_not_found``.
     """
-    entry = _model(body, catalog)
+    entry = model_for(body, catalog, CHAT)
     messages = body.get("messages")
     if "image" not in entry.input:  # text only: the size alone decides, before any message
         _check_fits(entry, body_bytes)
@@ -146,6 +183,26 @@ def _check_fits(entry, body_bytes):
                              f"context window of model '{entry.id}' ({entry.context_window} "
                              f"tokens).",
                              param="messages", code="context_length_exceeded")
+
+
+def model_for(body, catalog, endpoint):
+    """Return the catalog entry of ``body``'s ``model``, which must serve ``endpoint``.
+
+    :raises InvalidRequest: 400 ``unsupported_endpoint`` (``param: "model"``), in OpenAI's
+        words where it has them (:data:`NOT_SERVED`), before any charge.
+    :raises ModelNotFound: 404 ``model_not_found``.
+    """
+    entry = _model(body, catalog)
+    if endpoint not in entry.endpoints:
+        served = entry.endpoints[0]
+        if endpoint == CHAT and COMPLETIONS in entry.endpoints:
+            served = COMPLETIONS
+        message = NOT_SERVED[endpoint] if endpoint != COMPLETIONS or CHAT in entry.endpoints \
+            else "This model does not support the v1/completions endpoint. Did you mean to " \
+                 "use {hint}?"
+        raise InvalidRequest(message.format(hint=HINTS[served]), param="model",
+                             code="unsupported_endpoint")
+    return entry
 
 
 def _model(body, catalog):

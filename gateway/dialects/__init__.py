@@ -5,9 +5,12 @@ May import ``flow``, ``contract``, ``backends`` (SSE framing) and the shared mod
 ``api``, ``ledger`` or ``ops``.
 """
 from .chat import CODEC as CHAT
+from .completions import CompletionsCodec
+from .embeddings import EmbeddingsCodec
 from .messages import MessagesCodec
 from .responses import ResponsesCodec
 
 # Every codec by its name (the usage event's ``endpoint``): what the body process checks a
 # large body with (a Responses body without the history it may carry; the view parses again).
-CODECS = {codec.name: codec for codec in (CHAT, MessagesCodec(), ResponsesCodec())}
+CODECS = {codec.name: codec for codec in (CHAT, MessagesCodec(), ResponsesCodec(),
+                                          CompletionsCodec(), EmbeddingsCodec())}

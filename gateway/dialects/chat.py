@@ -62,6 +62,10 @@ class ChatStream:
     def __init__(self, request):
         self.include_usage = request.include_usage
 
+    def head(self):
+        """Return what the stream sends as its head leaves: nothing, in chat."""
+        return b""
+
     def chunk(self, payload, obj):
         """Return the event of one chunk: its payload as relayed (exact bytes)."""
         return frame(payload)

@@ -138,6 +138,10 @@ class MessagesStream:
         self.finish = None
         self.matched = None
 
+    def head(self):
+        """The events sent as the stream's head leaves: ``message_start`` and a ``ping``."""
+        return b"" if self.started else self._start()
+
     def _start(self):
         self.started = True
         return (event("message_start", {"type": "message_start",

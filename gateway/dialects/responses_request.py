@@ -214,8 +214,7 @@ class _Builder:
                                  code="invalid_type")
         kind = item.get("type", "message")
         if resolving:
-            item = dict(item)
-            item.setdefault("id", new_id(ITEM_PREFIX.get(kind, "item_")))
+            item = _as_listed(item, kind)
             self.stored.append(item)
         if isinstance(item.get("id"), str):
             self.by_id[item["id"]] = item
@@ -297,6 +296,20 @@ class _Builder:
                  parts)
 
 
+def _as_listed(item, kind):
+    """Return ``item`` as OpenAI lists an input item (the reference's "List input items"): with
+    an ``id``, a message with its ``type`` and its content as parts (a string becomes one
+    ``input_text``, or ``output_text`` for the assistant), so the SDK's types read it back."""
+    item = dict(item)
+    item.setdefault("id", new_id(ITEM_PREFIX.get(kind, "item_")))
+    if kind == "message":
+        item["type"] = "message"
+        if isinstance(item.get("content"), str):
+            part = "output_text" if item.get("role") == "assistant" else "input_text"
+            item["content"] = [{"type": part, "text": item["content"]}]
+    return item
+
+
 ITEM_PREFIX = {"message": "msg_", "function_call": "fc_", "function_call_output": "fco_",
                "reasoning": "rs_"}
 
@@ -365,9 +378,16 @@ def _tools(tools, builder):
         kind = tool.get("type") if isinstance(tool, dict) else None
         if kind == "function":
             _keys(tool, FUNCTION_SENT + FUNCTION_DROPPED, f"tools[{i}]")
-            out.append({"type": "function",
-                        "function": {k: tool[k] for k in FUNCTION_SENT
-                                     if tool.get(k) is not None}})
+            function = {k: tool[k] for k in FUNCTION_SENT if tool.get(k) is not None}
+            description = tool.get("description")
+            if description is not None:
+                _string(description, f"tools[{i}].description")
+            if not (description or "").strip() and isinstance(tool.get("name"), str):
+                # Optional in OpenAI's reference (the Agents SDK sends none for an undocumented
+                # function); the chat contract needs one, as model servers' templates render
+                # it: the tool's name stands in, as for the Messages API.
+                function["description"] = tool["name"]
+            out.append({"type": "function", "function": function})
             builder.tool_index.append(i)
         elif isinstance(kind, str):
             dropped.append({"index": i, "type": kind})  # a hosted (or unknown) tool

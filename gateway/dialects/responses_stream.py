@@ -58,6 +58,22 @@ def reasoning_tokens_of(usage):
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
 
 
+def _reported_reasoning(relayed):
+    """The reasoning tokens the backend reported in a stream: in its usage-only chunk (held by
+    the flow, never passed to :meth:`ResponsesStream.chunk`) or its last running usage."""
+    found = 0
+    payload = getattr(relayed, "usage_payload", None)
+    if payload:
+        try:
+            obj = json.loads(payload)
+        except ValueError:
+            obj = None
+        if isinstance(obj, dict):
+            found = reasoning_tokens_of(obj.get("usage"))
+    meter = getattr(relayed, "meter", None)
+    return max(found, reasoning_tokens_of(getattr(meter, "reported", None)))
+
+
 def _incomplete_reason(finish_reason, cut=False):
     if cut or finish_reason == "length":
         return "max_output_tokens"
@@ -174,6 +190,11 @@ class ResponsesStream:
         self.seq += 1
         return (b"event: " + kind.encode() + b"\ndata: " + head[:-1] + b',"response":' + body
                 + b"}\n\n")
+
+    def head(self):
+        """The events sent as the stream's head leaves: ``response.created`` and
+        ``response.in_progress``, as OpenAI sends them at once."""
+        return self._start()
 
     def _start(self):
         if self.started:
@@ -335,8 +356,11 @@ class ResponsesStream:
         when Kiln cut the generation at its budget or the backend stopped at its length).
 
         :param relayed: the stream's :class:`gateway.flow.rules.StreamRules` (``cut``: Kiln
-            stopped the generation at its budget)."""
+            stopped the generation at its budget; the backend's held usage-only chunk and its
+            last usage, which tell ``output_tokens_details.reasoning_tokens`` when the backend
+            reported them)."""
         out = self._start()
+        self.reasoning_tokens = max(self.reasoning_tokens, _reported_reasoning(relayed))
         reason = _incomplete_reason(self.finish_reason, relayed.cut)
         item_status = "incomplete" if reason else "completed"
         out += self._close_all(item_status)

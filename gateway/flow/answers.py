@@ -7,6 +7,8 @@ strings, one tool call) are applied here to the backend's chat completion or chu
 (:mod:`gateway.flow.rules`); the client's dialect is the codec's, which renders the result.
 Nothing here touches the ledger.
 """
+import base64
+import binascii
 import json
 from dataclasses import dataclass
 
@@ -37,7 +39,8 @@ def complete(gen, exchange, request, codec):
     gen.meter.observe_completion(completion)
     gen.mark_first_token()
     usage = gen.final_usage()
-    stops_hit = apply_to_completion(completion, request.stop, request.single_tool_call)
+    stops_hit = apply_to_completion(completion, request.stop, request.single_tool_call,
+                                    getattr(request, "echoed", None))
     yield Head(200, "application/json", {})
     return lambda charged_usd: codec.render_json(completion, usage, charged_usd, request,
                                                  stops_hit)
@@ -51,6 +54,70 @@ def _parse_completion(raw):
     if not isinstance(obj, dict) or not isinstance(obj.get("choices"), list):
         raise UpstreamError("The model backend sent a reply that is not a chat completion.")
     return obj
+
+
+# -- embeddings ------------------------------------------------------------------------------
+
+def embed(gen, exchange, request, codec):
+    """Read the backend's whole list of embeddings, one vector per input, and write it in the
+    codec's dialect with Kiln's usage and cost. A reply with fewer (or more) vectors than
+    inputs is the backend's failure: 502, and nothing is billed."""
+    expected = len(request.inputs)
+    reply = exchange.send_and_read(lambda raw: _parse_embeddings(raw, expected))
+    vectors, reported = reply
+    gen.meter.reported = reported
+    gen.mark_first_token()
+    usage = gen.final_usage()
+    yield Head(200, "application/json", {})
+    return lambda charged_usd: codec.render_json(vectors, usage, charged_usd, request)
+
+
+def _parse_embeddings(raw, expected):
+    """Return ``(vectors in input order, the reply's usage)`` of an embeddings reply.
+
+    A vector is a list of numbers or a base64 string; a list of per-token vectors (a server
+    whose model has no pooling of its own: llama-cpp-python with a chat model) is mean-pooled
+    into one (docs/PARAMETERS.md, "Embeddings").
+
+    :raises UpstreamError: not a list of ``expected`` embeddings, indexed 0 to expected - 1.
+    """
+    try:
+        obj = json.loads(raw)
+    except ValueError as err:
+        raise UpstreamError("The model backend sent a reply that is not JSON.") from err
+    data = obj.get("data") if isinstance(obj, dict) else None
+    if not isinstance(data, list):
+        raise UpstreamError("The model backend sent a reply that is not a list of embeddings.")
+    if len(data) != expected:
+        raise UpstreamError(f"The model backend returned {len(data)} embeddings for "
+                            f"{expected} inputs.")
+    vectors = [None] * expected
+    for position, item in enumerate(data):
+        index = item.get("index", position) if isinstance(item, dict) else None
+        vector = _vector(item.get("embedding")) if isinstance(item, dict) else None
+        if vector is None or type(index) is not int or not 0 <= index < expected \
+                or vectors[index] is not None:
+            raise UpstreamError("The model backend sent an embedding that is not one.")
+        vectors[index] = vector
+    return vectors, obj.get("usage")
+
+
+def _vector(value):
+    """A vector as sent, a mean-pooled list of per-token vectors, or None."""
+    if isinstance(value, str):  # base64 little-endian float32, as asked
+        try:
+            size = len(base64.b64decode(value, validate=True))
+        except (binascii.Error, ValueError):
+            return None
+        return value if size and size % 4 == 0 else None
+    if not isinstance(value, list) or not value:
+        return None
+    if all(type(x) in (float, int) for x in value):
+        return value
+    if all(isinstance(v, list) and v and len(v) == len(value[0])
+           and all(type(x) in (float, int) for x in v) for v in value):
+        return [sum(column) / len(value) for column in zip(*value, strict=True)]
+    return None
 
 
 # -- stream ----------------------------------------------------------------------------------
@@ -69,12 +136,15 @@ def stream(gen, exchange, request, renderer):
     if answered:
         resp = exchange.answer()
     yield Head(200, renderer.content_type, STREAM_HEADERS)
-    yield b""  # the headers leave now (the server writes them with the first body item)
+    # The headers leave now (the server writes them with the first body item), with what the
+    # dialect sends at once (Anthropic's message_start, the Responses API's response.created).
+    yield renderer.head()
     if not answered:
         yield from exchange.keepalives(config.keepalive_s, renderer.keepalive)
         resp = exchange.answer()
     pump = exchange.take(resp)
-    rules = StreamRules(gen.meter, request.stop, request.single_tool_call)
+    rules = StreamRules(gen.meter, request.stop, request.single_tool_call,
+                        getattr(request, "echoed", None))
     unfinished = yield from relay_stream(
         pump, lambda payloads: _apply(gen, rules, renderer, payloads), gen.check_lease,
         config.keepalive_s, exchange.timeouts.idle_s, config.max_event_bytes,

@@ -16,7 +16,9 @@ from ..billing import Usage, cost_nanos, from_nanos, hold_nanos
 from ..db import utcnow
 from ..endings import Status
 from ..ledger import AdmissionRequest, Settlement
-from .metering import Meter, estimate_completion, estimate_prompt, reconcile_usage
+from ..contract.validation import CHAT_ANSWER, EMBEDDINGS_ANSWER
+from .metering import (Meter, estimate_completion, estimate_prompt, estimate_text_prompt,
+                       reconcile_embeddings_usage, reconcile_usage)
 from .outcomes import LeaseLost
 
 log = logging.getLogger("kiln.requests")
@@ -31,6 +33,7 @@ class Admission:
     started_at: object
     hold_nanos: int
     started: float
+    endpoint: str = "chat"
 
 
 def admit(services, principal, request, endpoint):
@@ -52,7 +55,7 @@ def admit(services, principal, request, endpoint):
         limit_reset=principal.limit_reset, endpoint=endpoint))
     services.metrics.admission.observe(time.monotonic() - t0)
     services.metrics.in_flight.inc()
-    return Admission(gid, started_at, hold, t0)
+    return Admission(gid, started_at, hold, t0, endpoint)
 
 
 class Generation:
@@ -68,8 +71,8 @@ class Generation:
         self.exchange, self.client_addr = exchange, client_addr
         self.gid, self.started_at = admission.gid, admission.started_at
         self.hold_nanos = admission.hold_nanos
-        self.started = admission.started
-        self.meter = Meter(request.completion_cap)
+        self.started, self.endpoint = admission.started, admission.endpoint
+        self.meter = Meter(request.completion_cap, getattr(request, "echoed", None))
         self.lease = services.ledger.track(self.gid, self.progress)
         self.first_token_s = self.first_token_at = None
         self.usage = None        # the usage billed, once known
@@ -93,17 +96,30 @@ class Generation:
         """Return the usage to bill (computed once): nothing if the backend's answer was never
         taken, else its report with Kiln's own counts where it is missing or malformed."""
         if self.usage is None:
-            self.usage = Usage() if not self.exchange.accepted else reconcile_usage(
-                self.meter.reported, self.meter, self._own_prompt,
-                lambda: estimate_completion(self.meter, self.exchange.count_tokens))
+            if not self.exchange.accepted:
+                self.usage = Usage()
+            elif self.request.kind == EMBEDDINGS_ANSWER:
+                self.usage = reconcile_embeddings_usage(self.meter.reported, self._own_prompt)
+            else:
+                self.usage = reconcile_usage(
+                    self.meter.reported, self.meter, self._own_prompt,
+                    lambda: estimate_completion(self.meter, self.exchange.count_tokens))
         return self.usage
 
     def _own_prompt(self, count=None):
         request = self.request
+        count = count or self.exchange.count_tokens
+        if request.kind != CHAT_ANSWER:  # raw prompts, or embeddings inputs
+            if request.kind == EMBEDDINGS_ANSWER:
+                items, suffix, bound = request.inputs, None, request.entry.max_input_tokens
+            else:
+                items, suffix = request.prompts, request.params.get("suffix")
+                bound = request.entry.context_window
+            return min(estimate_text_prompt(items, suffix, bound, count), request.prompt_bound)
         return estimate_prompt({"messages": request.messages,
                                 "tools": request.params.get("tools")},
                                request.n_messages, request.entry.context_window,
-                               request.has_images, count or self.exchange.count_tokens)
+                               request.has_images, count)
 
     def progress(self):
         """Usage so far, for the lease renewer: no backend call (its tokenizer may be busy)."""
@@ -161,6 +177,9 @@ class Generation:
         m, model = self.services.metrics, self.request.entry.id
         m.in_flight.dec()
         m.child(m.requests, model, outcome.status.value).inc()
+        m.child(m.endpoint_requests, self.endpoint, model, outcome.status.value).inc()
+        m.child(m.endpoint_tokens, self.endpoint, model, "prompt").inc(usage.prompt)
+        m.child(m.endpoint_tokens, self.endpoint, model, "completion").inc(usage.completion)
         m.child(m.tokens, model, "prompt").inc(usage.prompt)
         m.child(m.tokens, model, "completion").inc(usage.completion)
         m.child(m.cost, model).inc(float(from_nanos(cost_nanos)))

@@ -13,12 +13,13 @@ from dataclasses import dataclass, field
 
 from flask import Response
 
+from ..background import Background
 from ..backends.exchange import Exchange
 from ..backends.fleet import Route
 from ..backends.health import BackendStates
 from ..backends.relay import ClientGone, guard_writes
 from ..backends.upstream import encode_body
-from ..contract.parameters import upstream_body
+from ..contract.validation import EMBEDDINGS_ANSWER
 from ..endings import CLIENT_CLOSED
 from ..errors import GENERATION_HEADER, GatewayError
 from . import answers
@@ -37,6 +38,7 @@ class Services:
     metrics: object
     ledger: object
     states: dict = field(default_factory=BackendStates)  # what this worker knows of each backend
+    background: object = field(default_factory=Background)  # the worker's background greenlets
     live: set = field(default_factory=set)  # this worker's exchanges, until closed
 
 
@@ -44,7 +46,9 @@ def respond(services, principal, request, codec, environ, on_answer=None):
     """Admit ``request`` and return the Flask response that relays its answer in ``codec``'s
     dialect.
 
-    :param request: the canonical request (:class:`~gateway.contract.validation.ChatRequest`).
+    :param request: the canonical request (:class:`~gateway.contract.validation.ChatRequest`,
+        or one of :mod:`gateway.contract.legacy`): its ``path``, ``body_for`` and ``kind``
+        say where it goes, what each backend is sent and which answer comes back.
     :param codec: the client's dialect (:mod:`gateway.dialects`): renders the JSON body, the
         event stream and a failed stream's last event; its ``name`` is the usage event's
         ``endpoint``.
@@ -56,7 +60,7 @@ def respond(services, principal, request, codec, environ, on_answer=None):
     :raises GatewayError: refused before any byte of the answer (402, 429, 502, 503, ...);
         an admitted generation is settled before this is raised.
     """
-    route = Route(services, request.entry, request.messages)
+    route = Route(services, request.entry, request.routing_messages)
     route.take(services.config.backend_wait_s)  # 503 when none is free, before any charge
     try:
         admission = admit(services, principal, request, codec.name)
@@ -65,13 +69,15 @@ def respond(services, principal, request, codec, environ, on_answer=None):
         raise
     sock = environ.get("gunicorn.socket")
     exchange = Exchange(services, route, request.entry.timeouts_for(services.config),
-                        lambda backend: encode_body(upstream_body(request, backend)),
-                        request.stream, sock)
+                        lambda backend: encode_body(request.body_for(backend)),
+                        request.stream, sock, request.path)
     gen = Generation(services, principal, request, admission, exchange,
                      environ.get("kiln.client_addr"))
     if request.stream:
         renderer = codec.stream_renderer(request)
         path = answers.stream(gen, exchange, request, renderer)
+    elif request.kind == EMBEDDINGS_ANSWER:
+        renderer, path = None, answers.embed(gen, exchange, request, codec)
     else:
         renderer, path = None, answers.complete(gen, exchange, request, codec)
     life = _life(gen, exchange, path, renderer, on_answer)

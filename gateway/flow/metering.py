@@ -28,16 +28,44 @@ GENERATED_TEXT_FIELDS = ("content", "reasoning_content", "reasoning", "refusal")
 # at least ``ceil(bytes / MAX_TOKEN_BYTES)`` tokens: a count that never exceeds the true one,
 # and that a backend packing many tokens into each delta cannot stay under.
 MAX_TOKEN_BYTES = 64
+# Tokens a raw prompt or an embeddings input may add to its text's (a begin and an end marker),
+# which also covers a token merged across the newline joining two of them for one count.
+SPECIAL_TOKENS_PER_ITEM = 2
+
+
+class EchoSkip:
+    """Tell a text completion's echoed prompt (``echo``) from its generated text, choice by
+    choice: text that continues the prompt is the echo; the first text that does not ends it
+    (a server that does not echo in a stream sends generated text at once)."""
+
+    def __init__(self, echoed):
+        self._left = {i: text for i, text in (echoed or {}).items() if text}
+
+    def split(self, index, text):
+        """Return ``(echo, generated)`` of the next ``text`` of choice ``index``."""
+        left = self._left.get(index)
+        if not left or not text:
+            return "", text
+        if left.startswith(text):
+            self._left[index] = left[len(text):]
+            return text, ""
+        del self._left[index]
+        if text.startswith(left):
+            return left, text[len(left):]
+        return "", text
 
 
 class Meter:
     """Counts a generation as it is relayed, and keeps it within its budget.
 
     :param cap: completion tokens Kiln held for (``max_tokens × n``); the relay stops there.
+    :param echoed: ``{choice index: prompt text}`` a text completion echoes before its
+        generated text (``echo``): the prompt, not counted as generated.
     """
 
-    def __init__(self, cap):
+    def __init__(self, cap, echoed=None):
         self.cap = cap
+        self._echo = EchoSkip(echoed)
         self.deltas = 0          # deltas with generated text relayed (each ≥ 1 token)
         self.floor = 0           # tokens relayed at least: Σ max(1, ⌈delta bytes / 64⌉)
         self.bytes = 0           # UTF-8 bytes of the generated text relayed
@@ -70,9 +98,10 @@ class Meter:
         running = token_count(usage.get("completion_tokens")) if isinstance(usage, dict) else None
         choices = chunk.get("choices")
         choices = choices if isinstance(choices, list) else ()
-        pieces = [p for choice in choices for p in _choice_text(choice, "delta")]
-        deltas = sum(1 for choice in choices if _has_generation(choice, "delta"))
-        floor, size = _floor(choices, "delta")
+        per_choice = [self._pieces(choice, "delta") for choice in choices]
+        pieces = [p for texts in per_choice for p in texts]
+        deltas = sum(1 for texts in per_choice if any(texts))
+        floor, size = _floor(per_choice)
         if deltas and (self.floor + floor > self.cap or (running or 0) > self.cap):
             self.cut = True
             return False
@@ -88,13 +117,14 @@ class Meter:
         return True
 
     def observe_completion(self, completion):
-        """Count a whole (non-stream) chat completion (dict)."""
+        """Count a whole (non-stream) chat or text completion (dict)."""
         choices = completion.get("choices")
         choices = choices if isinstance(choices, list) else ()
-        for choice in choices:
-            self.parts.extend(_choice_text(choice, "message"))
-            self.deltas += 1 if _has_generation(choice, "message") else 0
-        floor, size = _floor(choices, "message")
+        per_choice = [self._pieces(choice, "message") for choice in choices]
+        for texts in per_choice:
+            self.parts.extend(texts)
+            self.deltas += 1 if any(texts) else 0
+        floor, size = _floor(per_choice)
         self.floor += floor
         self.bytes += size
         if isinstance(completion.get("usage"), dict):
@@ -103,6 +133,15 @@ class Meter:
     def text(self):
         """Return everything generated so far as one string."""
         return "".join(self.parts)
+
+    def _pieces(self, choice, field):
+        """The generated strings of one choice: a chat choice's ``delta`` or ``message``
+        fields, or a text completion's ``text`` after the echoed prompt."""
+        pieces = list(_choice_text(choice, field))
+        text = choice.get("text") if isinstance(choice, dict) else None
+        if isinstance(text, str):
+            pieces.append(self._echo.split(choice.get("index", 0), text)[1])
+        return pieces
 
 
 def _choice_text(choice, field):
@@ -125,17 +164,14 @@ def _choice_text(choice, field):
                     yield function[name]
 
 
-def _has_generation(choice, field):
-    return any(_choice_text(choice, field))
-
-
-def _floor(choices, field):
-    """Return ``(tokens at least, UTF-8 bytes)`` of the generated text in ``choices``: per
-    choice that generated anything, one token and one more per :data:`MAX_TOKEN_BYTES` bytes."""
+def _floor(per_choice):
+    """Return ``(tokens at least, UTF-8 bytes)`` of the generated text of each choice (a list
+    of its strings): per choice that generated anything, one token and one more per
+    :data:`MAX_TOKEN_BYTES` bytes."""
     floor = size = 0
-    for choice in choices:
-        n = sum(_utf8_len(text) for text in _choice_text(choice, field))
-        if n or _has_generation(choice, field):
+    for texts in per_choice:
+        n = sum(_utf8_len(text) for text in texts)
+        if n or any(texts):
             floor += max(1, math.ceil(n / MAX_TOKEN_BYTES))
             size += n
     return floor, size
@@ -195,6 +231,30 @@ def estimate_prompt(body, n_messages, context_window, has_images, count):
     return min(counted + overhead, context_window)
 
 
+def estimate_text_prompt(items, suffix, item_bound, count):
+    """Return Kiln's upper estimate of the prompt tokens of raw prompts or embeddings inputs.
+
+    Token arrays count their length; text is counted by the backend's tokenizer in one call
+    (joined by newlines), else by its UTF-8 bytes; each item adds
+    :data:`SPECIAL_TOKENS_PER_ITEM` (its begin and end markers, and a merge across a join),
+    and is at most ``item_bound`` tokens.
+
+    :param suffix: a completions ``suffix`` (counted as text), or None.
+    :param count: ``text -> int | None``, the backend's tokenizer (None: it did not answer).
+    """
+    texts = [i for i in items if isinstance(i, str)] + ([suffix] if suffix else [])
+    tokens = sum(min(len(i) + SPECIAL_TOKENS_PER_ITEM, item_bound)
+                 for i in items if not isinstance(i, str))
+    if not texts:
+        return tokens
+    joined = "\n".join(texts)
+    counted = count(joined) if joined else 0
+    if counted is None:
+        counted = _utf8_len(joined)
+    counted += SPECIAL_TOKENS_PER_ITEM * len(texts)
+    return tokens + min(counted, item_bound * len(texts))
+
+
 def estimate_completion(meter, count):
     """Return Kiln's upper estimate of the completion tokens counted by ``meter``.
 
@@ -238,6 +298,21 @@ def reconcile_usage(reported, meter, own_prompt, own_completion):
         completion, estimated = meter.floor, True
     return Usage(prompt=prompt, cached=min(cached or 0, prompt), completion=completion,
                  estimated=estimated)
+
+
+def reconcile_embeddings_usage(reported, own_prompt):
+    """Return the :class:`Usage` of an embeddings answer: the backend's ``prompt_tokens``
+    when it is a count (and ``total_tokens``, when sent, says the same), else Kiln's own
+    estimate (``estimated``); nothing is generated.
+
+    :param own_prompt: ``() -> int``, Kiln's estimate of the inputs' tokens.
+    """
+    reported = reported if isinstance(reported, dict) else {}
+    prompt = token_count(reported.get("prompt_tokens"))
+    total = reported.get("total_tokens", prompt)
+    if prompt is None or token_count(total) != prompt:
+        return Usage(prompt=own_prompt(), estimated=True)
+    return Usage(prompt=prompt)
 
 
 def is_well_formed(reported, usage):

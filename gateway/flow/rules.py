@@ -11,6 +11,7 @@ the chunks is its codec's (:mod:`gateway.dialects`).
 import json
 
 from ..backends.sse import DONE, dumps, without_member
+from .metering import EchoSkip
 
 
 class StopCutter:
@@ -80,10 +81,14 @@ class StreamRules:
         sets :attr:`cut`.
     :param stops: stop strings to enforce (may be empty).
     :param single_tool_call: keep only the first tool call (``index`` 0).
+    :param echoed: ``{choice index: prompt text}`` a text completion echoes first: never cut.
+
+    A text completion's chunks carry their text in ``choices[].text``; the same rules apply.
     """
 
-    def __init__(self, meter, stops, single_tool_call):
+    def __init__(self, meter, stops, single_tool_call, echoed=None):
         self.meter = meter
+        self._echo = EchoSkip(echoed)
         self.cutter = StopCutter(stops) if stops else None
         self.single_tool_call = single_tool_call
         self.usage_payload = None  # the backend's usage-only chunk, held for the end
@@ -179,6 +184,8 @@ class StreamRules:
                     changed |= self._cut(choice, delta, index)
                 if self.single_tool_call:
                     changed |= _first_tool_call_only(delta)
+            elif self.cutter and isinstance(choice.get("text"), str):
+                changed |= self._cut_text(choice, index)
             kept.append(choice)
         if changed:
             obj["choices"] = kept
@@ -201,6 +208,21 @@ class StreamRules:
         return changed
 
 
+    def _cut_text(self, choice, index):
+        """Apply the stop strings to a text completion's ``text``, after its echoed prompt."""
+        echo, generated = self._echo.split(index, choice["text"])
+        out, hit = self.cutter.feed(index, generated) if generated else ("", False)
+        if hit:
+            choice["text"], choice["finish_reason"] = echo + out, "stop"
+            return True
+        if choice.get("finish_reason"):
+            out += self.cutter.flush(index)
+        if out != generated:
+            choice["text"] = echo + out
+            return True
+        return False
+
+
 def _first_tool_call_only(container):
     """Keep only the tool call of ``index`` 0; return whether ``container`` changed."""
     calls = container.get("tool_calls")
@@ -216,11 +238,23 @@ def _first_tool_call_only(container):
     return True
 
 
-def apply_to_completion(obj, stops, single_tool_call):
-    """Apply stop strings and the single-tool-call rule to a non-stream chat completion;
-    return ``{choice index: the stop string Kiln cut it at}``."""
+def apply_to_completion(obj, stops, single_tool_call, echoed=None):
+    """Apply stop strings and the single-tool-call rule to a non-stream chat or text
+    completion; return ``{choice index: the stop string Kiln cut it at}``.
+
+    :param echoed: ``{choice index: prompt text}`` a text completion echoes first: never cut.
+    """
     matched = {}
     for choice in obj.get("choices") or []:
+        if stops and isinstance(choice, dict) and isinstance(choice.get("text"), str):
+            index = choice.get("index", 0)
+            echo, generated = EchoSkip(echoed).split(index, choice["text"])
+            generated, stop = cut_at_stop(generated, stops)
+            if stop is not None:
+                choice["text"] = echo + generated
+                choice["finish_reason"] = "stop"
+                matched[index] = stop
+            continue
         message = choice.get("message") if isinstance(choice, dict) else None
         if not isinstance(message, dict):
             continue

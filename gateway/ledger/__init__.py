@@ -33,6 +33,7 @@ stay taken until then, so a refusal for the in-flight limit or credits first wai
 worker's outstanding settlements of the org (or, with none, a moment for another worker's) and
 asks once more.
 """
+import dataclasses
 import json
 import logging
 from dataclasses import dataclass, field
@@ -43,7 +44,7 @@ import psycopg
 import sqlalchemy as sa
 from gevent.event import Event
 
-from ..billing import Usage, cost_nanos, format_usd
+from ..billing import MAX_TOKENS_COUNT, Usage, cost_nanos, format_usd
 from ..db import is_postgres
 from ..errors import DatabaseBusy, DatabaseUnavailable, InsufficientCredits, RateLimited
 from ..endings import LEASE_EXPIRED, Status
@@ -111,6 +112,25 @@ class Settlement:
     def __post_init__(self):
         self.error = storable(self.error)
 
+    def salvaged(self):
+        """Return this settlement with every value within its column (counts and statuses
+        within 32 bits, the cost within 64, texts within their lengths: what can be billed of
+        it), or None when nothing here is out of range (the database refused it for another
+        reason)."""
+        u = self.usage
+        usage = Usage(prompt=_clamp(u.prompt, MAX_TOKENS_COUNT),
+                      cached=_clamp(u.cached, MAX_TOKENS_COUNT),
+                      completion=_clamp(u.completion, MAX_TOKENS_COUNT), estimated=u.estimated)
+        values = {"usage": usage, "cost_nanos": _clamp(self.cost_nanos, MAX_BIGINT),
+                  "http_status": None if self.http_status is None
+                  else _clamp(self.http_status, MAX_TOKENS_COUNT),
+                  "model": self.model[:MODEL_CHARS], "error_code": (self.error_code or None)
+                  and self.error_code[:CODE_CHARS],
+                  "backend": (self.backend or None) and self.backend[:BACKEND_CHARS]}
+        if all(getattr(self, name) == value for name, value in values.items()):
+            return None
+        return dataclasses.replace(self, **values, committed=Event(), debited=None)
+
     def as_record(self):
         """Return the JSON record of ``kiln_settle`` (the ``kiln_settlement`` type)."""
         u = self.usage
@@ -126,6 +146,15 @@ class Settlement:
 
 
 MAX_ERROR_CHARS = 2000
+
+
+MAX_BIGINT = 2 ** 63 - 1
+# usage_events' text column lengths (gateway/models.py).
+MODEL_CHARS, CODE_CHARS, BACKEND_CHARS = 200, 64, 500
+
+
+def _clamp(value, top):
+    return max(0, min(int(value), top))
 
 
 def storable(text):
@@ -162,13 +191,15 @@ class Ledger:
     their leases stay renewed meanwhile. :meth:`drain` waits for them (graceful shutdown).
     """
 
-    def __init__(self, engine, config, catalog, metrics=None):
+    def __init__(self, engine, config, catalog, metrics=None, background=None):
         self.store = PostgresStore(engine) if is_postgres(engine) else SqliteStore(engine)
         self.config = config
         self.catalog = catalog
-        self._admitter = Admitter(self.store, on_orphan=self._settle_orphan)
-        self._renewer = Renewer(self.store, config.lease_ttl_s)
-        self._writer = SettlementWriter(self.store, metrics, on_committed=self._renewer.forget)
+        self._admitter = Admitter(self.store, on_orphan=self._settle_orphan,
+                                  background=background)
+        self._renewer = Renewer(self.store, config.lease_ttl_s, background=background)
+        self._writer = SettlementWriter(self.store, metrics, on_committed=self._renewer.forget,
+                                        background=background)
 
     # -- admission ---------------------------------------------------------------------------
 

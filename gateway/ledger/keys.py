@@ -27,7 +27,7 @@ RESETS = ("daily", "weekly", "monthly")
 _COLUMNS = (api_keys.c.id, api_keys.c.prefix, api_keys.c.name, api_keys.c.created_at,
             api_keys.c.revoked_at, api_keys.c.last_used_at, api_keys.c.limit_usd,
             api_keys.c.limit_reset, api_keys.c.period_start, api_keys.c.period_spent_nanos,
-            api_keys.c.held_nanos, api_keys.c.rpm_limit)
+            api_keys.c.held_nanos, api_keys.c.rpm_limit, api_keys.c.org_read)
 
 
 KEY_PREFIX = "kiln-"
@@ -39,17 +39,22 @@ def hash_key(key):
     return hashlib.sha256(key.encode()).hexdigest()
 
 
-def create_key(conn, org_id, name=None, allowed_models=None, **limits):
+def create_key(conn, org_id, name=None, allowed_models=None, org_read=None, **limits):
     """Create a key for ``org_id`` and return it in clear (the only time it exists in clear).
 
     :param allowed_models: iterable of public model ids, or None for every model.
+    :param org_read: the key may read the org's other keys and org-wide activity; None: unless
+        it is restricted (a model allow-list or a spend limit).
     :param limits: ``limit_usd`` (Decimal USD), ``limit_reset`` (``daily``, ``weekly``,
         ``monthly``), ``rpm_limit`` (requests per minute); absent or None: no limit.
     """
     key = KEY_PREFIX + secrets.token_urlsafe(32)
+    if org_read is None:
+        org_read = not allowed_models and limits.get("limit_usd") is None
     conn.execute(api_keys.insert().values(
         org_id=org_id, prefix=key[:PREFIX_LEN], key_hash=hash_key(key), name=name,
-        allowed_models=" ".join(sorted(allowed_models)) if allowed_models else None, **limits))
+        allowed_models=" ".join(sorted(allowed_models)) if allowed_models else None,
+        org_read=org_read, **limits))
     return key
 
 
@@ -105,7 +110,7 @@ def key_view(row, now):
         "period_start": _iso(usage.period_start), "resets_at": _iso(usage.resets_at),
         "rate_limit": None if row.rpm_limit is None else {"requests_per_minute": row.rpm_limit},
         "created_at": _iso(row.created_at), "last_used_at": _iso(row.last_used_at),
-        "revoked": row.revoked_at is not None,
+        "revoked": row.revoked_at is not None, "org_read": row.org_read,
     }
 
 

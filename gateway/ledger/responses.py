@@ -26,9 +26,9 @@ LIST_LIMITS = (1, 100)
 _DECIMAL = re.compile(r'"\\u0000dec:([0-9eE+.\-]+)\\u0000"')
 
 
-def _dumps(obj):
+def dumps(obj):
     """JSON text of ``obj`` with each Decimal (the response's ``usage.cost``) written as its
-    exact literal, never through a float."""
+    exact literal, never through a float (a number, as the answer told it; never a string)."""
     def mark(value):
         if isinstance(value, Decimal):
             return f"\x00dec:{format(value, 'f')}\x00"
@@ -52,7 +52,7 @@ def save(engine, org_id, response, input_items, retention=DEFAULT_RETENTION,
             id=response["id"], org_id=org_id, generation_id=generation_id, created_at=now,
             expires_at=now + retention, model=response.get("model") or "",
             previous_response_id=response.get("previous_response_id"),
-            response=_dumps(response), input_items=_dumps(input_items)))
+            response=dumps(response), input_items=dumps(input_items)))
 
 
 def _not_found(response_id, param=None):

@@ -9,20 +9,43 @@
 
 No batch waits for a timer: each takes what is queued when the previous one is done, so at low
 load nothing is delayed and at high load the statements per request fall.
+
+A statement the database refuses for the values it carries (:func:`refused_for_its_data`) is
+never retried as it is: its batch is split until the one settlement or lease at fault stands
+alone, so that it cannot hold up the worker's others (docs/RELIABILITY.md, "A worker never
+stops settling").
 """
 import logging
 import random
 import time
 
 import gevent
+import sqlalchemy as sa
 from gevent.event import AsyncResult, Event
 from gevent.queue import Empty, Queue
+
+from ..background import Background
 
 log = logging.getLogger("gateway.ledger")
 
 MAX_BATCH = 256                # statements' rows grouped at most
 RENEW_EVERY_MAX_S = 5.0        # progress recorded at least this often (what a kill can lose)
 RETRY_BACKOFF_S = (0.05, 2.0)  # first and longest wait between attempts of a failed write
+# SQLSTATE classes of a statement refused for its values (SQL standard; PostgreSQL manual,
+# Appendix A): 22 data exception (a value out of its column's range or length), 23 integrity
+# constraint violation. No retry can make such a statement commit.
+REFUSED_CLASSES = ("22", "23")
+
+
+def refused_for_its_data(err):
+    """Tell whether ``err`` (a driver's or SQLAlchemy's) is the database refusing the values a
+    statement carried, rather than failing to run it (a lost connection, a timeout, a restart:
+    those are retried)."""
+    orig = getattr(err, "orig", None) or err
+    state = getattr(orig, "sqlstate", None)
+    if isinstance(state, str):
+        return state[:2] in REFUSED_CLASSES
+    return isinstance(err, (sa.exc.DataError, sa.exc.IntegrityError))
 
 
 def _take(queue, first):
@@ -45,17 +68,16 @@ class Admitter:
     which settles it at once.
     """
 
-    def __init__(self, store, on_orphan=None):
+    def __init__(self, store, on_orphan=None, background=None):
         self.store = store
         self.on_orphan = on_orphan
         self._queue = Queue()
-        self._greenlet = None
+        self._background = background or Background()
 
     def admit(self, request, timeout_s=None):
         """Return the admission row for ``request`` (see ``kiln_admit``); raise what the
         database call raised, or :class:`gevent.Timeout` after ``timeout_s``."""
-        if self._greenlet is None:
-            self._greenlet = gevent.spawn(self._run)
+        self._background.spawn("ledger.admitter", self._run)
         waiter = _Waiter(request)
         self._queue.put(waiter)
         try:
@@ -101,7 +123,7 @@ class _Waiter:
 class SettlementWriter:
     """Commits settlements in batches, retrying each batch until it commits."""
 
-    def __init__(self, store, metrics=None, on_committed=None):
+    def __init__(self, store, metrics=None, on_committed=None, background=None):
         self.store = store
         self.metrics = metrics
         self.on_committed = on_committed  # gid -> None, once committed
@@ -109,11 +131,10 @@ class SettlementWriter:
         self._outstanding = {}  # gid -> Settlement, queued or being written
         self._idle = Event()
         self._idle.set()
-        self._greenlet = None
+        self._background = background or Background()
 
     def put(self, settlement):
-        if self._greenlet is None:
-            self._greenlet = gevent.spawn(self._write_forever)
+        self._background.spawn("ledger.settlements", self._write_forever)
         self._outstanding[settlement.gid] = settlement
         self._idle.clear()
         self._queue.put(settlement)
@@ -142,14 +163,18 @@ class SettlementWriter:
                 self._idle.set()
 
     def _write(self, batch):
-        """Commit ``batch``, retrying with backoff on any database error until it commits."""
+        """Commit ``batch``, retrying with backoff on any database error until it commits; a
+        batch the database refuses for its values is split (:meth:`_isolate`)."""
         wait_s = RETRY_BACKOFF_S[0]
         while True:
             t0 = time.monotonic()
             try:
                 debited = self.store.settle_batch(batch)
                 break
-            except Exception:  # noqa: BLE001 - the settlement guard: retried until it commits
+            except Exception as err:  # noqa: BLE001 - the settlement guard: retried until it commits
+                if refused_for_its_data(err):
+                    self._isolate(batch, err)
+                    return
                 log.warning("settlement of %d generation(s) failed; retrying in %.2f s",
                             len(batch), wait_s, exc_info=True)
                 gevent.sleep(wait_s * random.uniform(0.5, 1.0))
@@ -157,11 +182,46 @@ class SettlementWriter:
         if self.metrics is not None:
             self.metrics.settlement.observe(time.monotonic() - t0)
             self.metrics.settlement_batch.observe(len(batch))
+        self._done(batch, debited)
+
+    def _done(self, batch, debited):
         for settlement in batch:
             if self.on_committed is not None:
                 self.on_committed(settlement.gid)
             settlement.debited = debited.get(settlement.gid)
             settlement.committed.set()
+
+    def _isolate(self, batch, err):
+        """Write the halves of a refused batch apart, down to the one settlement at fault. That
+        one is written once more within every column's range (``salvaged()``: what can be
+        billed); refused again, it is given up: logged, counted, its lease no longer renewed,
+        so that the sweeper closes it after the lease's TTL and bills the progress the lease
+        recorded (``abandoned``)."""
+        if len(batch) > 1:
+            half = len(batch) // 2
+            self._write(batch[:half])
+            self._write(batch[half:])
+            return
+        settlement = batch[0]
+        salvaged = settlement.salvaged()
+        if salvaged is not None:
+            log.error("settlement of %s refused by the database (%s); written again within "
+                      "the columns' ranges", settlement.gid, type(err).__name__)
+            try:
+                debited = self.store.settle_batch([salvaged])
+            except Exception as again:  # noqa: BLE001 - judged below like the first refusal
+                if not refused_for_its_data(again):
+                    self._write([salvaged])  # a transient failure: retried as any batch
+                    self._done([settlement], {settlement.gid: salvaged.debited})
+                    return
+            else:
+                self._done([settlement], debited)
+                return
+        log.error("settlement of %s refused by the database (%s); left to the sweeper",
+                  settlement.gid, type(err).__name__)
+        if self.metrics is not None:
+            self.metrics.settlements_refused.inc()
+        self._done([settlement], {})
 
 
 class Renewer:
@@ -169,15 +229,14 @@ class Renewer:
     third of their TTL or every :data:`RENEW_EVERY_MAX_S`, whichever is sooner: the usage a
     SIGKILLed worker's generations are billed by the sweeper lags the real one by at most that."""
 
-    def __init__(self, store, lease_ttl_s):
+    def __init__(self, store, lease_ttl_s, background=None):
         self.store = store
         self.lease_ttl_s = lease_ttl_s
         self.live = {}  # gid -> Lease, until its settlement commits
-        self._greenlet = None
+        self._background = background or Background()
 
     def track(self, lease):
-        if self._greenlet is None:
-            self._greenlet = gevent.spawn(self._run)
+        self._background.spawn("ledger.renewer", self._run)
         self.live[lease.gid] = lease
 
     def forget(self, gid):
@@ -191,14 +250,32 @@ class Renewer:
 
     def renew_now(self):
         """Renew every live lease in one statement, recording progress; set ``lost`` on those
-        the sweeper settled. A failure is logged and retried next time."""
+        the sweeper settled. A failure is logged and retried next time; a statement refused for
+        its values is split until the lease at fault stands alone, which is then renewed
+        without progress (its last recorded progress stands)."""
         leases = list(self.live.values())
-        try:
-            states = self.store.renew([(lease.gid, lease.progress()) for lease in leases],
-                                      self.lease_ttl_s)
-        except Exception:  # noqa: BLE001 - renewal is retried at the next interval
-            log.warning("lease renewal of %d generation(s) failed", len(leases), exc_info=True)
-            return
-        for lease in leases:
-            if states.get(lease.gid) == "settled":
+        for lease, state in self._renew([(lease, lease.progress()) for lease in leases]):
+            if state == "settled":
                 lease.lost.set()
+
+    def _renew(self, items):
+        """Yield ``(lease, state)`` for the ``(lease, progress)`` items renewed."""
+        try:
+            states = self.store.renew([(lease.gid, usage) for lease, usage in items],
+                                      self.lease_ttl_s)
+        except Exception as err:  # noqa: BLE001 - renewal is retried at the next interval
+            if not refused_for_its_data(err):
+                log.warning("lease renewal of %d generation(s) failed", len(items),
+                            exc_info=True)
+                return
+            if len(items) > 1:
+                half = len(items) // 2
+                yield from self._renew(items[:half])
+                yield from self._renew(items[half:])
+            elif items[0][1] is not None:
+                log.error("lease renewal of %s refused by the database (%s); renewed without "
+                          "its progress", items[0][0].gid, type(err).__name__)
+                yield from self._renew([(items[0][0], None)])
+            return
+        for lease, _ in items:
+            yield lease, states.get(lease.gid)

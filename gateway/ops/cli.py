@@ -23,6 +23,7 @@ from ..config import Config
 from ..db import create_engine, is_postgres, storable_text, utcnow
 from ..ledger import Ledger
 from ..ledger import keys
+from ..ledger import responses as stored_responses
 from ..ledger.operator import GRANT, org_credits
 from ..ledger.keys import org_keys, set_limits
 from ..models import api_keys, credit_balances, orgs
@@ -176,8 +177,11 @@ def key():
 @click.option("--name", "--label", "label", type=Text(api_keys.c.name.type.length))
 @click.option("--models", type=Text(4000), help="Comma-separated allow-list of model ids.")
 @limit_options
+@click.option("--org-read/--no-org-read", "org_read", default=None,
+              help="May read the org's other keys and org-wide activity (default: unless "
+                   "--models or --limit restrict the key).")
 @pass_ctx
-def key_create(ctx, org_ref, label, models, limit_text, reset, rpm):
+def key_create(ctx, org_ref, label, models, limit_text, reset, rpm, org_read):
     """Create a key for ORG_REF; the key is the last line of stdout (shown only this once)."""
     limit = None if limit_text is None else parse_limit_usd(limit_text, is_postgres(ctx.engine))
     org_id = find_org(ctx.engine, org_ref)
@@ -185,7 +189,7 @@ def key_create(ctx, org_ref, label, models, limit_text, reset, rpm):
     with ctx.engine.begin() as conn:
         secret = keys.create_key(conn, org_id, name=label, allowed_models=allowed,
                                  limit_usd=limit, limit_reset=None if reset == "never" else reset,
-                                 rpm_limit=rpm)
+                                 rpm_limit=rpm, org_read=org_read)
     click.echo(f"# key prefix {secret[:keys.PREFIX_LEN]}; store the key now, it is not kept",
                err=True)
     click.echo(secret)
@@ -196,11 +200,14 @@ def key_create(ctx, org_ref, label, models, limit_text, reset, rpm):
 @limit_options
 @click.option("--no-limit", is_flag=True, help="Remove the spend limit.")
 @click.option("--no-rpm", is_flag=True, help="Remove the request rate limit.")
+@click.option("--org-read/--no-org-read", "org_read", default=None,
+              help="Whether the key may read the org's other keys and org-wide activity.")
 @pass_ctx
-def key_set(ctx, prefix, limit_text, reset, rpm, no_limit, no_rpm):
+def key_set(ctx, prefix, limit_text, reset, rpm, no_limit, no_rpm, org_read):
     """Change the limits of the key PREFIX; a new --reset starts a new period now (its spend
     counted again from the key's usage events since that period's start)."""
-    changes = limit_changes(limit_text, reset, rpm, no_limit, no_rpm, is_postgres(ctx.engine))
+    changes = limit_changes(limit_text, reset, rpm, no_limit, no_rpm, is_postgres(ctx.engine),
+                            org_read)
     if not set_limits(ctx.engine, prefix, changes):
         raise click.ClickException(f"no key with prefix {prefix!r}")
     click.echo(f"updated {prefix}")
@@ -345,11 +352,13 @@ def maintenance(ctx, state, retry_after_s, message):
 @main.command()
 @pass_ctx
 def sweep(ctx):
-    """Close generations whose in-flight lease expired (their worker died)."""
+    """Close generations whose in-flight lease expired (their worker died), and delete stored
+    responses past their retention."""
     ledger = Ledger(create_engine(ctx.config, ledger=True), ctx.config,
                     load_catalog(ctx.config.models))
     closed = ledger.sweep()
-    click.echo(f"closed {closed}")
+    purged = stored_responses.sweep_expired(ctx.engine)  # past their retention
+    click.echo(f"closed {closed}; stored responses past their retention deleted: {purged}")
 
 
 main.add_command(db)

@@ -59,8 +59,9 @@ def limit_options(command):
     return command
 
 
-def limit_changes(limit_text, reset, rpm, no_limit, no_rpm, postgres):
-    """Return the ``api_keys`` values ``kiln key set`` changes (None clears one).
+def limit_changes(limit_text, reset, rpm, no_limit, no_rpm, postgres, org_read=None):
+    """Return the ``api_keys`` values ``kiln key set`` changes (None clears one; ``org_read``
+    None leaves it).
 
     :raises click.UsageError: nothing to change, or a value given with its ``--no-`` flag.
     """
@@ -73,9 +74,11 @@ def limit_changes(limit_text, reset, rpm, no_limit, no_rpm, postgres):
         changes["limit_reset"] = None if reset == "never" else reset
     if rpm is not None or no_rpm:
         changes["rpm_limit"] = None if no_rpm else rpm
+    if org_read is not None:
+        changes["org_read"] = org_read
     if not changes:
-        raise click.UsageError("nothing to change: give --limit, --reset, --rpm, --no-limit "
-                               "or --no-rpm")
+        raise click.UsageError("nothing to change: give --limit, --reset, --rpm, --no-limit, "
+                               "--no-rpm or --org-read/--no-org-read")
     return changes
 
 

@@ -65,7 +65,8 @@ def start_sweeper(app):
     state = app.extensions["kiln.maintenance"]
     if state.get("sweeper") is not None or app.config["KILN"].sweep_interval_s <= 0:
         return
-    state["sweeper"] = gevent.spawn(_sweep_forever, app.extensions["kiln"])
+    services = app.extensions["kiln"]
+    state["sweeper"] = services.background.spawn("sweeper", _sweep_forever, services)
 
 
 def _sweep_forever(services):

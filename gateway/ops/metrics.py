@@ -5,8 +5,8 @@ Multiprocess mode is on when ``PROMETHEUS_MULTIPROC_DIR`` is set before the app 
 (``deploy/gunicorn.conf.py`` does it); otherwise the app's own registry is served.
 
 What is counted where: admitted requests (generations) are counted and logged once, at
-settlement (:meth:`gateway.backends.relay.Generation.finish`); every error response sent is counted
-here by HTTP status and envelope ``code``; every request that got no generation id (auth,
+settlement (:meth:`gateway.flow.generation.Generation.settle`); every error response sent is
+counted here by HTTP status and envelope ``code``; every request that got no generation id (auth,
 validation, 402, 429, maintenance, ``/v1/models``, ...) is logged here as one JSON line.
 """
 import json
@@ -36,6 +36,14 @@ class Metrics:
         r = self.registry
         self.requests = Counter("kiln_requests_total", "Chat requests by model and final status",
                                 ["model", "status"], registry=r)
+        # The same generations by the API the client called (a codec's name: chat, messages,
+        # responses, completions, embeddings); the series above keep their names and labels.
+        self.endpoint_requests = Counter("kiln_endpoint_requests_total",
+                                         "Generations by endpoint, model and final status",
+                                         ["endpoint", "model", "status"], registry=r)
+        self.endpoint_tokens = Counter("kiln_endpoint_tokens_total",
+                                       "Tokens metered by endpoint, model and kind",
+                                       ["endpoint", "model", "kind"], registry=r)
         self.errors = Counter("kiln_errors_total", "Error responses by HTTP status and code",
                               ["http_status", "code"], registry=r)
         self.in_flight = Gauge("kiln_in_flight", "Admitted requests not yet settled",
@@ -57,6 +65,14 @@ class Metrics:
         self.settlement_batch = Histogram("kiln_settlement_batch_size",
                                           "Generations settled per transaction",
                                           buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r)
+        self.settlements_refused = Counter(
+            "kiln_settlements_refused_total",
+            "Settlements the database refused for their values, even within the columns' "
+            "ranges: left to the sweeper", registry=r)
+        self.background_restarts = Counter(
+            "kiln_background_restarts_total",
+            "Background greenlets (ledger writers, sweeper, prober) restarted after a failure",
+            ["name"], registry=r)
         self.anomalies = Counter("kiln_usage_anomalies_total",
                                  "Generations whose backend reported more than Kiln held for",
                                  ["model"], registry=r)

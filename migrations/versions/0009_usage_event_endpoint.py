@@ -37,9 +37,12 @@ BATCH_CHANGE = ("""(r.a->>'key_checks')::boolean,
 
 
 def upgrade():
-    with op.batch_alter_table("usage_events") as batch:
-        batch.add_column(sa.Column("endpoint", sa.String(16), nullable=False,
-                                   server_default="chat"))
+    if op.get_bind().dialect.name == "postgresql":
+        op.execute("SET LOCAL lock_timeout = '5s'")  # a moment's lock, or fail and retry
+    # A plain ADD COLUMN on both (SQLite's batch mode would rebuild the table that in_flight
+    # refers to).
+    op.add_column("usage_events", sa.Column("endpoint", sa.String(16), nullable=False,
+                                            server_default="chat"))
     if op.get_bind().dialect.name == "postgresql":
         op.execute("DROP FUNCTION IF EXISTS kiln_admit_batch(jsonb)")
         op.execute(f"DROP FUNCTION IF EXISTS {OLD_ADMIT}")
@@ -55,8 +58,9 @@ def downgrade():
         op.execute(f"DROP FUNCTION {NEW_ADMIT}")
         op.execute(admit)
         op.execute(batch)
-    with op.batch_alter_table("usage_events") as batch:
-        batch.drop_column("endpoint")
+        op.drop_column("usage_events", "endpoint")
+    else:  # SQLite 3.35 and later drop a column in place
+        op.execute("ALTER TABLE usage_events DROP COLUMN endpoint")
 
 
 def _installed(signature, changes):

@@ -27,6 +27,7 @@ id = "fake-model"
 context_window = 8192
 max_output_tokens = 1024
 input = ["text"]
+endpoints = ["chat", "completions"]
 pricing = {{ input = "0.10", cached_input = "0.05", output = "0.30" }}
 backends = [{{ url = "{url}", model = "upstream-fake" }}]
 
@@ -49,6 +50,14 @@ max_output_tokens = 32768
 input = ["text"]
 pricing = {{ input = "0.05", cached_input = "0.025", output = "0.25" }}
 backends = [{{ url = "{url}", model = "openai/gpt-oss-120b" }}]
+
+[[models]]
+id = "fake-embed"
+context_window = 512
+endpoints = ["embeddings"]
+embedding_max_inputs = 8
+pricing = {{ input = "0.02" }}
+backends = [{{ url = "{url}", model = "upstream-embed" }}]
 """
 
 MESSAGES = [{"role": "user", "content": "Say hello"}]
@@ -69,6 +78,8 @@ DROP = _Drop()
 # fake-model in CATALOG above, and smollm2-135m in gateway/demo_models.toml:
 # 0.10, 0.05 and 0.30 USD per million tokens are 100, 50 and 300 nano-dollars per token.
 FAKE_MODEL_NANOS = SMOLLM2_NANOS = {"input": 100, "cached_input": 50, "output": 300}
+# fake-embed in CATALOG: 0.02 USD per million input tokens, 20 nano-dollars per token.
+FAKE_EMBED_NANOS = {"input": 20, "cached_input": 20, "output": 0}
 UNREACHABLE_BACKEND = "http://127.0.0.1:9/v1"  # the discard port: nothing answers there
 
 

@@ -46,6 +46,8 @@ from typing import Any, Self
 from requests.structures import CaseInsensitiveDict
 
 CHAT_PATH = "/v1/chat/completions"
+COMPLETIONS_PATH = "/v1/completions"
+EMBEDDINGS_PATH = "/v1/embeddings"
 POLL_S = 0.02  # client-close polling interval while sleeping/hanging, seconds
 WORDS = ("Hello", " from", " the", " fake", " upstream!")
 
@@ -211,6 +213,39 @@ def chat_completion(content: str | None, usage: dict | None = None,
                      "finish_reason": finish_reason}],
         "usage": usage if usage is not None else make_usage(),
     }
+
+
+def text_chunk(text: str | None = None, finish_reason: str | None = None, index: int = 0,
+               usage: dict | None = None, choices: bool = True) -> dict:
+    """One ``text_completion`` stream chunk (OpenAI's legacy completions)."""
+    chunk: dict = {"id": "cmpl-fake", "object": "text_completion", "created": 1,
+                   "model": "upstream-fake",
+                   "choices": [{"index": index, "text": text or "", "logprobs": None,
+                                "finish_reason": finish_reason}] if choices else []}
+    if usage is not None:
+        chunk["usage"] = usage
+    return chunk
+
+
+def text_completion(text: str, usage: dict | None = None, finish_reason: str = "stop") -> dict:
+    """A whole ``text_completion`` object."""
+    out: dict = {"id": "cmpl-fake", "object": "text_completion", "created": 1,
+                 "model": "upstream-fake",
+                 "choices": [{"index": 0, "text": text, "logprobs": None,
+                              "finish_reason": finish_reason}]}
+    if usage is not None:
+        out["usage"] = usage
+    return out
+
+
+def embeddings_list(count: int, dims: int = 4, usage: dict | None = None) -> dict:
+    """An embeddings list of ``count`` vectors of ``dims`` floats (vector i is all i + 0.5)."""
+    out: dict = {"object": "list", "model": "upstream-embed",
+                 "data": [{"object": "embedding", "index": i, "embedding": [i + 0.5] * dims}
+                          for i in range(count)]}
+    if usage is not None:
+        out["usage"] = usage
+    return out
 
 
 def models_list(*ids: str) -> dict:

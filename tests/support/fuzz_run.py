@@ -116,10 +116,10 @@ class Fuzzer:
         with self.engine.connect() as conn:
             return Ledger(*conn.execute(STATE_SQL, {"o": self.org_id}).one())
 
-    def settled_ledger(self, timeout_s=10.0):
-        """The org's :class:`Ledger` once no usage event is pending (or after ``timeout_s``):
-        a generation settles a few milliseconds after its answer's last bytes (README,
-        "Metering"), and one settling inside the next case would be counted as that case's."""
+    def settled_ledger(self, timeout_s=5.0):
+        """Return the org's :class:`Ledger` once no usage event of it is pending (a settlement
+        commits a few milliseconds after its answer: one of the previous case's must not move
+        the balance inside the next case's window), or as it is after ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
         state = self.ledger()
         while state.pending and time.monotonic() < deadline:

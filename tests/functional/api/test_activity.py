@@ -150,10 +150,17 @@ def test_the_page_and_its_files_are_served_without_a_key(sqlite_app):
     with client.get("/activity") as page:
         assert page.status_code == 200 and page.mimetype == "text/html"
         assert page.headers["Content-Security-Policy"].startswith("default-src 'self'")
+        assert (page.headers["X-Content-Type-Options"], page.headers["Cache-Control"]) == \
+            ("nosniff", "no-store")
         html = page.get_data(as_text=True)
     assert "http://" not in html and "https://" not in html
     for name in ("activity.js", "activity.css"):
         with client.get(f"/activity/static/{name}") as served:
             assert served.status_code == 200
             text = served.get_data(as_text=True)
+            headers = served.headers
+        # the page's policy on every path it is served from
+        assert headers["Content-Security-Policy"] == page.headers["Content-Security-Policy"]
+        assert (headers["X-Content-Type-Options"], headers["Cache-Control"]) == \
+            ("nosniff", "no-store"), name
         assert "http://" not in text.replace("http://www.w3.org/2000/svg", "")

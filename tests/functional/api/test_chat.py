@@ -158,12 +158,13 @@ def test_unknown_model_is_404_model_not_found(client, fake):
 
 def test_models_list_publishes_catalog(client):
     models = {m.id: m for m in client.models.list()}
-    assert set(models) == {"fake-model", "fake-vision", "gpt-oss-fake"}
+    assert set(models) == {"fake-model", "fake-vision", "gpt-oss-fake", "fake-embed"}
     vision = models["fake-vision"].model_extra
     assert vision["input_modalities"] == ["text", "image"]
     assert vision["pricing"]["output"] == "10"
     assert vision["capabilities"]["forced_tool_choice"] is True
     assert models["fake-model"].model_extra["context_window"] == 8192
+    assert models["fake-model"].model_extra["endpoints"] == ["chat", "completions"]
 
 
 def test_insufficient_credits_is_402(gateway, fake, engine):

@@ -242,7 +242,7 @@ def test_sweep_closes_the_expired_lease_and_reconcile_then_passes(fresh_pg, cata
     assert kiln(url, "credits", "reconcile", check=False).returncode == 1
     env = {**os.environ, "KILN_DATABASE_URL": url, "KILN_MODELS": str(catalog_path)}
     swept = subprocess.run([KILN, "sweep"], capture_output=True, text=True, env=env, timeout=120)
-    assert swept.stdout.strip() == "closed 1"
+    assert swept.stdout.strip() == "closed 1; stored responses past their retention deleted: 0"
     assert usage_event(engine, "gen-dead")["status"] == "abandoned"
     assert balance_nanos(engine, org.id) == (10**9, 0, 0)
     kiln(url, "credits", "reconcile")

@@ -339,3 +339,35 @@ def test_the_runbooks_sql_sets_limits_and_recounts_a_new_period(db):
         (period_start("monthly", now), 40)
     assert shown[0][0] == prefix
     assert f"key {prefix}" not in kiln(url, "credits", "reconcile", code=1).stderr
+
+
+def test_a_restricted_key_reads_only_itself_until_given_org_read(start_gateway, engine):
+    """A key created with a spend limit (or a model allow-list) has no ``org_read``: it sees
+    itself in ``GET /v1/keys`` and its own rows in ``GET /v1/activity``; the operator's plain
+    key sees the org's. ``kiln key set --org-read`` gives it the org's view."""
+    gw = start_gateway(key_cache_ttl_s=0.2)
+    org = make_org(engine, f"scoped-{uuid.uuid4().hex[:8]}")
+    from gateway.api import auth
+    with engine.begin() as conn:
+        bot = auth.create_key(conn, org.id, name="ci-bot", limit_usd=Decimal("3"))
+        app = auth.create_key(conn, org.id, name="app", allowed_models=["fake-model"])
+        wide = auth.create_key(conn, org.id, name="wide", allowed_models=["fake-model"],
+                               org_read=True)
+
+    def listed(key):
+        r = requests.get(gw.base_url + "/v1/keys", timeout=30,
+                         headers={"Authorization": f"Bearer {key}"})
+        assert r.status_code == 200, r.text
+        return sorted((k["prefix"], k["org_read"]) for k in r.json()["data"])
+
+    every = sorted([(org.key[:12], True), (bot[:12], False), (app[:12], False),
+                    (wide[:12], True)])
+    assert listed(org.key) == every == listed(wide)
+    assert listed(bot) == [(bot[:12], False)] and listed(app) == [(app[:12], False)]
+    activity = requests.get(gw.base_url + "/v1/activity", timeout=30,
+                            headers={"Authorization": f"Bearer {bot}"}).json()
+    assert activity["scope"] == "key"
+    assert requests.get(gw.base_url + "/v1/activity", timeout=30,
+                        headers={"Authorization": f"Bearer {org.key}"}).json()["scope"] == "org"
+    kiln(gw.env["KILN_DATABASE_URL"], "key", "set", bot[:12], "--org-read")
+    wait_until(lambda: len(listed(bot)) == 4)

@@ -429,3 +429,134 @@ def test_messages_errors_match_the_document(gateway, fake, org, engine, document
     assert set(seen) == {400, 401, 402, 404, 502, 503}
     assert seen[502].json()["error"]["type"] == "api_error"  # JSON here, not plain text
     assert seen[503].json()["error"]["type"] == "overloaded_error"
+
+
+# -- the Responses API -------------------------------------------------------------------------
+
+RESPONSES = "/v1/responses"
+STORED = "/v1/responses/{response_id}"
+INPUT_ITEMS = "/v1/responses/{response_id}/input_items"
+RESPONSE_TOOL = {"type": "function", "name": "get_weather",
+                 "parameters": {"type": "object", "properties": {}}}
+
+
+def typed_events(text):
+    """``(event line, data)`` of each event of a Responses stream."""
+    out = []
+    for block in text.split("\n\n"):
+        lines = block.split("\n")
+        data = [line[6:] for line in lines if line.startswith("data: ")]
+        if data:
+            event = [line[7:] for line in lines if line.startswith("event: ")]
+            out.append((event[0] if event else None, json.loads("\n".join(data))))
+    return out
+
+
+def test_responses_paths_are_documented(document):
+    paths = document["paths"]
+    create = paths[RESPONSES]["post"]["responses"]
+    assert set(create) == {"200", "400", "401", "402", "403", "404", "413", "429", "500",
+                           "502", "503"}
+    assert set(create["200"]["content"]) == {"application/json", "text/event-stream"}
+    assert "X-Neocloud-Generation-Id" in create["200"]["headers"]
+    assert set(paths[STORED]) == {"parameters", "get", "delete"}
+    assert set(paths[STORED]["get"]["responses"]) == {"200", "401", "403", "404"}
+    assert set(paths[INPUT_ITEMS]["get"]["responses"]) == {"200", "400", "401", "403", "404"}
+    props = document["components"]["schemas"]["ResponseCreateRequest"]["properties"]
+    assert {"model", "input", "previous_response_id", "store", "max_output_tokens"} <= \
+        set(props) and "conversation" not in props
+
+
+@pytest.mark.parametrize("body", [
+    {"model": "fake-model", "input": "Hi"},
+    {"model": "fake-model", "input": [{"role": "user", "content": "Hi"}], "instructions": "x",
+     "tools": [RESPONSE_TOOL, {"type": "web_search"}], "max_output_tokens": 64,
+     "temperature": 0.5, "store": False, "metadata": {"k": "v"}, "truncation": "auto"},
+])
+def test_responses_json_and_stored_answers_match_the_document(gateway, fake, org, document,
+                                                                body):
+    component(document, "ResponseCreateRequest").validate(body)
+    base = gateway.base_url
+    r = requests.post(base + RESPONSES, json=body, headers=org.headers, timeout=30)
+    assert r.status_code == 200 and check_response(document, RESPONSES, r, "post") == \
+        "application/json"
+    rid = r.json()["id"]
+    if body.get("store") is False:
+        assert r.json()["dropped_tools"] == [{"index": 1, "type": "web_search"}]
+        r = requests.get(f"{base}{RESPONSES}/{rid}", headers=org.headers, timeout=30)
+        assert r.status_code == 404
+        check_response(document, STORED, r)
+        return
+    for method, path, url, params, status in [
+            ("get", STORED, f"{RESPONSES}/{rid}", None, 200),
+            ("get", INPUT_ITEMS, f"{RESPONSES}/{rid}/input_items", {"limit": 1}, 200),
+            ("get", INPUT_ITEMS, f"{RESPONSES}/{rid}/input_items", {"limit": 0}, 400),
+            ("get", INPUT_ITEMS, f"{RESPONSES}/{rid}/input_items", {"order": "up"}, 400),
+            ("delete", STORED, f"{RESPONSES}/{rid}", None, 200),
+            ("delete", STORED, f"{RESPONSES}/{rid}", None, 404),
+            ("get", STORED, f"{RESPONSES}/{rid}", None, 404),
+            ("get", INPUT_ITEMS, f"{RESPONSES}/{rid}/input_items", None, 404)]:
+        resp = requests.request(method, base + url, params=params, headers=org.headers,
+                                timeout=30)
+        assert resp.status_code == status, (method, url, resp.text)
+        check_response(document, path, resp, method)
+    resp = requests.get(f"{base}{RESPONSES}/resp_x", timeout=30)  # no key
+    assert resp.status_code == 401
+    check_response(document, STORED, resp)
+
+
+@pytest.mark.parametrize("script", [
+    pytest.param(None, id="text"),
+    pytest.param(sse(TOOL_STREAM), id="tool-calls"),
+    pytest.param(MID_STREAM_FAILURE, id="mid-stream-failure"),
+])
+def test_responses_streams_match_the_document(gateway, fake, org, document, script):
+    if script is not None:
+        fake.enqueue(script)
+    body = {"model": "fake-model", "input": "Hi", "stream": True, "tools": [RESPONSE_TOOL]}
+    component(document, "ResponseCreateRequest").validate(body)
+    r = requests.post(gateway.base_url + RESPONSES, json=body, headers=org.headers, timeout=30)
+    assert check_response(document, RESPONSES, r, "post") == "text/event-stream"
+    event_data = validator(document, media_pointer(RESPONSES, "post", 200, "text/event-stream")
+                           + "/x-sse-data")
+    events = typed_events(r.text)
+    for name, data in events:
+        assert name == data["type"]
+        event_data.validate(data)
+    last = events[-1][1]
+    if script is MID_STREAM_FAILURE:
+        assert last["type"] == "response.failed" and events[-2][1]["type"] == "error"
+    else:
+        assert last["type"] == "response.completed" and "cost" in last["response"]["usage"]
+        component(document, "Response").validate(last["response"])
+
+
+@pytest.mark.parametrize("body,status", [
+    ({"model": "fake-model"}, 400),
+    ({"model": "fake-model", "input": "Hi", "conversation": "conv_1"}, 400),
+    ({"model": "fake-model", "input": "Hi", "colour": "red"}, 400),
+    ({"model": "fake-model", "input": "Hi", "max_output_tokens": 0}, 400),
+    ({"model": "no-such-model", "input": "Hi"}, 404),
+    ({"model": "fake-model", "input": "Hi", "previous_response_id": "resp_nope"}, 404),
+])
+def test_responses_refusals_are_documented_errors(gateway, fake, org, document, body, status):
+    r = requests.post(gateway.base_url + RESPONSES, json=body, headers=org.headers, timeout=30)
+    assert r.status_code == status, r.text
+    check_response(document, RESPONSES, r, "post")
+    assert fake.requests == []
+
+
+def test_responses_gateway_errors_match_the_document(gateway, fake, org, engine, document):
+    url, body = gateway.base_url + RESPONSES, {"model": "fake-model", "input": "Hi"}
+    seen = set()
+    for resp in [requests.post(url, json=body, timeout=30),
+                 requests.post(url, json=body, headers=make_org(
+                     engine, f"poor-resp-{org.id}", usd="0.0000001").headers, timeout=30)]:
+        check_response(document, RESPONSES, resp, "post")
+        seen.add(resp.status_code)
+    for script in (error_reply(500, "boom"), error_reply(429, "busy")):
+        fake.enqueue(script)
+        resp = requests.post(url, json=body, headers=org.headers, timeout=30)
+        check_response(document, RESPONSES, resp, "post")
+        seen.add(resp.status_code)
+    assert seen == {401, 402, 502, 503}

@@ -413,3 +413,44 @@ def _event(engine, gid):
         return tuple(conn.execute(sa.text(
             "SELECT status, cost_nanos, prompt_tokens, completion_tokens FROM usage_events "
             "WHERE id = :g"), {"g": gid}).one())
+
+
+def test_a_settlement_the_database_refuses_does_not_hold_up_the_others(ledger_db):
+    """One settlement whose values the database refuses (a backend URL longer than its column:
+    Postgres refuses it, SQLite keeps any length) is written again within the columns, and the
+    settlements queued with it commit: the worker goes on settling (docs/RELIABILITY.md)."""
+    ledger, engine, org, key_id = ledger_db
+    gids = [_admit(ledger, org, key_id) for _ in range(3)]
+    settlements = [_settlement(gid, org, key_id, 10, 20, 7_000) for gid in gids]
+    settlements[1].backend = "http://backend.example/v1/" + "a" * 600
+    for settlement in settlements:
+        ledger.settle(settlement)
+    assert ledger.drain(10), "the worker's settlements are stuck"
+    with engine.connect() as conn:
+        rows = conn.execute(sa.text("SELECT id, status, cost_nanos, backend FROM usage_events "
+                                    "WHERE org_id = :o"), {"o": org.id}).mappings().all()
+        balance = conn.execute(sa.text("SELECT balance_nanos, held_nanos, in_flight FROM "
+                                       "credit_balances WHERE org_id = :o"),
+                               {"o": org.id}).one()
+    assert {r["id"]: (r["status"], r["cost_nanos"]) for r in rows} == \
+        {gid: ("completed", 7_000) for gid in gids}
+    long_one = next(r for r in rows if r["id"] == gids[1])
+    assert long_one["backend"].startswith("http://backend.example/v1/aaa")
+    assert balance == (10**9 - 3 * 7_000, 0, 0)
+
+
+@pytest.mark.parametrize("amount", ["'12abc'", "1e-10", "0", "'0.0000000001'", "-0.0000000004"])
+def test_the_database_refuses_a_grant_that_is_not_an_amount(ledger_db, amount):
+    """Plain SQL cannot credit text that is not a number (SQLite kept '12abc' as text and its
+    trigger credited $12) nor an amount that rounds to zero nano-dollars (migration 0011)."""
+    _, engine, org, _ = ledger_db
+    with pytest.raises(sa.exc.DBAPIError):
+        with engine.begin() as conn:
+            conn.execute(sa.text(f"INSERT INTO credit_grants (org_id, amount_usd) "
+                                 f"VALUES (:o, {amount})"), {"o": org.id})
+    with engine.begin() as conn:  # one nano-dollar is an amount
+        conn.execute(sa.text("INSERT INTO credit_grants (org_id, amount_usd) "
+                             "VALUES (:o, 0.000000001)"), {"o": org.id})
+    with engine.connect() as conn:
+        assert conn.execute(sa.text("SELECT balance_nanos FROM credit_balances WHERE "
+                                    "org_id = :o"), {"o": org.id}).scalar_one() == 10**9 + 1

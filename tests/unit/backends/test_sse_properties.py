@@ -1,7 +1,6 @@
 """Property of the SSE splitter (gateway/backends/sse.py): any split of any valid stream yields the
-same
-events. Streams are drawn from the SSE grammar (WHATWG HTML, "Server-sent events"): events of
-one or more ``data:`` lines (with or without the space after the colon), comment, ``event:``,
+same events. Streams are drawn from the SSE grammar (WHATWG HTML, "Server-sent events"): events
+of one or more ``data:`` lines (with or without the space after the colon), comment, ``event:``,
 ``id:`` and ``retry:`` lines, any line ending (LF, CRLF, CR, mixed), payloads of any bytes but
 CR and LF, multi-byte UTF-8 included."""
 import pytest

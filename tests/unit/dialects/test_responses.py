@@ -28,9 +28,13 @@ except ImportError:
 pytestmark = pytest.mark.unit
 
 
-def relayed(cut, matched_stops=None):
-    """What the flow tells a stream's end of what it relayed (gateway.flow.rules.StreamRules)."""
-    return SimpleNamespace(cut=cut, matched_stops=matched_stops or {})
+def relayed(cut, matched_stops=None, usage_payload=None, reported=None):
+    """What the flow tells a stream's end of what it relayed (gateway.flow.rules.StreamRules):
+    the cut, the stops, the backend's held usage-only chunk and its last usage."""
+    return SimpleNamespace(cut=cut, matched_stops=matched_stops or {},
+                           usage_payload=usage_payload,
+                           meter=SimpleNamespace(reported=reported))
+
 
 CATALOG = {"m": model_entry(), "vision": model_entry(
     id="vision", input=("text", "image"), response_format=True, forced_tool_choice=True,
@@ -319,8 +323,8 @@ def test_tool_choice_shapes():
 
 
 def test_tool_errors_name_the_responses_index():
-    refused("tools[1].description", "missing_required_parameter",
-            tools=[HOSTED[0], dict(FN, description="")])
+    refused("tools[1].parameters", "invalid_type",
+            tools=[HOSTED[0], dict(FN, parameters="an object")])
     refused("tools[0].colour", "unknown_parameter", tools=[dict(FN, colour=1)])
     assert parse(tools=[dict(FN, defer_loading=False, output_schema=None)]).params["tools"]
 
@@ -414,11 +418,12 @@ USAGE = Usage(10, 2, 7)
 
 
 def run(chunks, req=None, usage=USAGE, charged=Decimal("0.000003001"), cut=False,
-        error=None):
+        error=None, usage_payload=None, reported=None):
     req = req or parse(stream=True, tools=[FN])
     stream = CODEC.stream_renderer(req)
     out = b"".join(stream.chunk(json.dumps(c).encode(), c) for c in chunks)
-    out += stream.error(error) if error else stream.end(usage, charged, relayed(cut))
+    out += stream.error(error) if error else stream.end(
+        usage, charged, relayed(cut, usage_payload=usage_payload, reported=reported))
     return out, stream
 
 
@@ -565,3 +570,55 @@ def test_refusal_stream():
                   chunk(finish="stop")])
     final, _ = sdk_final(raw)
     assert final.output[0].content[0].refusal == "I can't help."
+
+
+REASONING_USAGE = {"prompt_tokens": 10, "completion_tokens": 7, "total_tokens": 17,
+                   "completion_tokens_details": {"reasoning_tokens": 5}}
+
+
+@pytest.mark.parametrize("where", ["usage_chunk", "running_usage"])
+def test_stream_reports_the_backends_reasoning_tokens(where):
+    """The usage-only chunk is held by the flow (never a ``chunk``): ``end`` reads it, or the
+    backend's last running usage, for ``output_tokens_details.reasoning_tokens``."""
+    held = {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m",
+            "choices": [], "usage": REASONING_USAGE}
+    kwargs = ({"usage_payload": json.dumps(held).encode()} if where == "usage_chunk"
+              else {"reported": REASONING_USAGE})
+    raw, stream = run([chunk({"reasoning_content": "Hmm."}), chunk({"content": "Hi"}),
+                       chunk(finish="stop")], **kwargs)
+    last = events(raw)[-1]
+    assert last["response"]["usage"]["output_tokens_details"] == {"reasoning_tokens": 5}
+    assert stream.response()["usage"]["output_tokens_details"]["reasoning_tokens"] == 5
+    final, _ = sdk_final(raw)
+    assert final.usage.output_tokens_details.reasoning_tokens == 5
+
+
+@pytest.mark.parametrize("reported", [None, {"completion_tokens": 7},
+                                      {"completion_tokens_details": {"reasoning_tokens": -3}},
+                                      {"completion_tokens_details": {"reasoning_tokens": "5"}}])
+def test_stream_reasoning_tokens_are_zero_unless_the_backend_says_them(reported):
+    raw, _ = run([chunk({"content": "Hi"}), chunk(finish="stop")], reported=reported,
+                 usage_payload=b"not json")
+    usage = events(raw)[-1]["response"]["usage"]
+    assert usage["output_tokens_details"] == {"reasoning_tokens": 0}
+
+
+@pytest.mark.parametrize("tool", [
+    {"type": "function", "name": "lookup", "parameters": {"type": "object"}},
+    {"type": "function", "name": "lookup", "description": "", "parameters": {"type": "object"}},
+    {"type": "function", "name": "lookup", "description": "  ", "strict": False,
+     "parameters": {"type": "object"}}])
+def test_a_function_tool_without_a_description_is_accepted_as_openai_does(tool):
+    """The Agents SDK sends a function's docstring as its description, and none without one;
+    OpenAI accepts that, and the backend gets the tool's name in its place."""
+    req = parse(tools=[tool])
+    assert req.params["tools"][0]["function"]["description"] == "lookup"
+    assert req.params["tools"][0]["function"]["name"] == "lookup"
+    body = json.loads(CODEC.render_json(_completion("x"), Usage(1, 0, 1), Decimal(0), req))
+    assert body["tools"] == [tool]  # echoed as sent
+
+
+def test_a_function_tool_description_of_the_wrong_type_is_still_a_400():
+    refused("tools[0].description", "invalid_type",
+            tools=[{"type": "function", "name": "f", "description": 3}])
+    refused("tools[0].name", tools=[{"type": "function", "description": "d"}])
