@@ -40,6 +40,9 @@ from schemathesis.core.failures import FailureGroup
 SCHEMA_CHECKS = ("not_a_server_error", "status_code_conformance", "content_type_conformance",
                  "response_headers_conformance", "response_schema_conformance")
 CHAT = "POST /v1/chat/completions"
+# The operations of a path item (OpenAPI 3.1); its other keys (``parameters``, ``summary``, ...)
+# are shared by them.
+HTTP_METHODS = ("get", "put", "post", "delete", "options", "head", "patch", "trace")
 MESSAGES = ("POST /v1/messages", "POST /v1/messages/count_tokens")
 GENERATION = "GET /v1/generation"
 AIMED_SHARE = 0.9
@@ -141,7 +144,7 @@ class Fuzzer:
         """Every operation of the document; chat completions first (later
         ``GET /v1/generation`` cases ask for their ids)."""
         labels = [f"{method.upper()} {path}" for path, item in self.document["paths"].items()
-                  for method in item]
+                  for method in item if method in HTTP_METHODS]
         others = {label: max(2, int(cases * SHARES.get(label, OTHER_SHARE)))
                   for label in labels if label != CHAT}
         return {CHAT: max(2, cases - sum(others.values())), **others}
