@@ -70,7 +70,7 @@ def added_ratio(a: str, b: str, field: str):
 def dialect_ratio(field: str):
     """What Kiln adds over direct on another API (``field``), over what it adds on chat
     (``chat_<field>``), both measured on one Kiln seconds apart (bench/scenarios.py,
-    ``responses_run``); direct's value is chat's."""
+    ``responses_run``, ``messages_run``); direct's value is chat's."""
     def value(vals):
         direct = _get(vals, DIRECT, field)
         other, chat = _get(vals, KILN, field), _get(vals, KILN, f"chat_{field}")
@@ -99,6 +99,8 @@ def goals(open_counts, litellm_version: str = "") -> list:
              (KILN, NOMETER), raw_ratio(KILN, NOMETER, "rps"), 0.8, True),
         Goal("added p50 at 1 conn, metered / unmetered", "nonstream_c1",
              (DIRECT, KILN, NOMETER), added_ratio(KILN, NOMETER, "p50_ms"), 1.25, False),
+        Goal("/v1/messages added p50 at 1 conn / chat's", "messages_c1",
+             (DIRECT, KILN), dialect_ratio("p50_ms"), 1.2, False),
         Goal("/v1/responses added p50 at 1 conn / chat's", "responses_c1",
              (DIRECT, KILN), dialect_ratio("p50_ms"), 1.2, False),
         Goal(f"/v1/responses with a {RESPONSES_TURNS}-turn previous_response_id: added p50 / "

@@ -14,6 +14,8 @@ Targets, all in front of one fake OpenAI-compatible upstream (bench/fake_openai.
 Scenarios (bench/scenarios.py says which targets each runs on):
 
 * ``nonstream_c1``: non-stream latency at one connection (wrk latency distribution);
+* ``messages_c1``: chat's request through Anthropic's ``POST /v1/messages`` at one connection
+  beside chat's on the same Kiln;
 * ``tput_cN``: throughput and p99 at N connections (wrk), N from ``--concurrencies``;
 * ``orgs_c64``: 64 connections, each with its own wrk thread and the key of its own org;
 * ``responses_c1``, ``responses_prev20_c1``: ``POST /v1/responses`` at one connection beside

@@ -169,6 +169,19 @@ def responses_run(target: tg.Target, seconds: int, turns: int = 0) -> dict:
     return {**out, **resp, "errors": resp["errors"] + chat["errors"]}
 
 
+def messages_run(target: tg.Target, seconds: int) -> dict:
+    """``POST /v1/messages`` (Anthropic's Messages API) at one connection, beside chat's on the
+    same target a few seconds before, as :func:`responses_run`; the body is chat.lua's, which
+    is both a chat and a Messages request. Direct's values are chat's."""
+    chat = wrk_run(target, 1, seconds)
+    out = {**chat, "chat_p50_ms": chat["p50_ms"], "chat_p99_ms": chat["p99_ms"],
+           "chat_rps": chat["rps"]}
+    if target.name == DIRECT:
+        return out
+    msg = wrk_run(target, 1, seconds, path="/messages")
+    return {**out, **msg, "errors": msg["errors"] + chat["errors"]}
+
+
 def orgs_run(target: tg.Target, seconds: int) -> dict:
     """wrk at ``ORGS_CONNS`` connections, each with the key of a different org."""
     if not target.org_keys:
@@ -224,6 +237,14 @@ def build(plan: Plan, upstream_url: str) -> list:
             "wrk",
             lambda t: wrk_run(t, 1, secs),
             every,
+            "latency",
+        ),
+        Scenario(
+            "messages_c1",
+            "POST /v1/messages beside chat, 1 conn",
+            "dialect",
+            lambda t: messages_run(t, secs),
+            frozenset({DIRECT, KILN}),
             "latency",
         ),
         Scenario(

@@ -14,6 +14,7 @@ from ..endings import Status
 from .openapi_common import DECIMAL_USD, error_responses, get_operation, json_response
 from .openapi_keys import key_paths, key_schemas
 from .openapi_legacy import legacy_paths, legacy_schemas
+from .openapi_messages import messages_paths, messages_schemas, messages_security_schemes
 from .openapi_request import nullable, ref, request_schemas
 from .openapi_responses import responses_paths, responses_schemas
 
@@ -35,13 +36,16 @@ def build_document(max_body_bytes):
         "jsonSchemaDialect": "https://json-schema.org/draft/2020-12/schema",
         "info": {"title": "Kiln gateway API", "version": "1",
                  "description": "OpenAI-compatible chat completions with prepaid credits. "
-                                "Every error is the OpenAI envelope, except 502 (plain text)."},
-        "paths": {**_paths(max_body_bytes), **responses_paths(max_body_bytes), **key_paths(),
-                  **legacy_paths()},
+                                "Every error is the OpenAI envelope, except 502 (plain text), "
+                                "and Anthropic's envelope on /v1/messages."},
+        "paths": {**_paths(max_body_bytes), **messages_paths(max_body_bytes),
+                  **responses_paths(max_body_bytes), **key_paths(), **legacy_paths()},
         "components": {"schemas": {**request_schemas(), **_response_schemas(),
                                    **_account_schemas(), **key_schemas(),
-                                   **responses_schemas(), **legacy_schemas()},
-                       "securitySchemes": {"apiKey": {"type": "http", "scheme": "bearer"}}},
+                                   **messages_schemas(), **responses_schemas(),
+                                   **legacy_schemas()},
+                       "securitySchemes": {"apiKey": {"type": "http", "scheme": "bearer"},
+                                           **messages_security_schemes()}},
         "security": [{"apiKey": []}],
     }
 

@@ -19,6 +19,7 @@ from .messages_blocks import (as_int, as_number, as_object, as_string, check_cac
                               invalid, one_of, refuse_extra, system_prompt, translate_message)
 
 MAPPED, DROPPED = "mapped", "dropped"  # any other field is refused
+UNSUPPORTED = "unsupported"  # in the reference, but a 400 when set: Kiln cannot do it
 # Every top-level field of a Messages request: the SDK's ``MessageCreateParamsBase``, ``stream``,
 # and the sampling fields the API reference still documents for the models that take them
 # (``temperature``, ``top_p``, ``top_k``), which clients send. tests/unit/dialects checks the set
@@ -31,12 +32,26 @@ FIELDS = {
     "service_tier": DROPPED, "cache_control": DROPPED, "container": DROPPED,
     "diagnostics": DROPPED, "inference_geo": DROPPED, "speed": DROPPED,
     "user_profile_id": DROPPED, "workspace_id": DROPPED,
+    # The beta Messages API's own fields (the SDK's ``client.beta.messages``, which Claude Code
+    # uses: ``POST /v1/messages?beta=true``; the query string changes nothing here).
+    "context_management": DROPPED, "mcp_servers": DROPPED, "fallbacks": DROPPED,
+    "fallback_credit_token": DROPPED, "billing_policy": DROPPED,
+    "compaction": UNSUPPORTED, "thread": UNSUPPORTED,
 }
+BETA_FIELDS = ("context_management", "mcp_servers", "fallbacks", "fallback_credit_token",
+               "billing_policy", "compaction", "thread")
 LEGACY_SAMPLING = ("temperature", "top_p", "top_k")
 # ``POST /v1/messages/count_tokens`` takes the request without its generation settings
 # (the SDK's ``MessageCountTokensParams``).
 COUNT_FIELDS = ("model", "messages", "system", "tools", "tool_choice", "thinking",
-                "output_config", "cache_control", "speed", "user_profile_id", "workspace_id")
+                "output_config", "cache_control", "speed", "user_profile_id", "workspace_id",
+                # the beta API's (``MessageCountTokensParams`` of ``client.beta.messages``)
+                "context_management", "mcp_servers", "billing_policy", "compaction")
+# Why a field that Kiln cannot honour is refused rather than dropped.
+UNSUPPORTED_WHY = {
+    "compaction": "a compaction request asks Anthropic's server to summarise the conversation",
+    "thread": "Kiln holds no conversation state between requests; send the whole conversation",
+}
 
 # The keys of a custom tool (the SDK's ``ToolParam``); any other typed tool is Anthropic's own.
 CUSTOM_TOOL_KEYS = {"type", "name", "description", "input_schema", "cache_control", "strict",
@@ -138,7 +153,7 @@ def translate(body, catalog, fields=FIELDS):
     if "max_tokens" in fields:
         _max_tokens(body, entry, out)
     _sampling(body, entry, chat)
-    _drop_checked(body)
+    _drop_checked(body, counting="max_tokens" not in fields)
     system = system_prompt(body.get("system"))
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -208,7 +223,7 @@ def _sampling(body, entry, chat):
             chat["stop"] = list(stops)
 
 
-def _drop_checked(body):
+def _drop_checked(body, counting=False):
     """Check the fields that are accepted and dropped (their shape, as Anthropic would)."""
     if "service_tier" in body:
         one_of(body["service_tier"], SERVICE_TIERS, "service_tier")
@@ -224,6 +239,41 @@ def _drop_checked(body):
     container = body.get("container")
     if container is not None and not isinstance(container, str):
         refuse_extra(as_object(container, "container"), {"id", "skills"}, "container")
+    _drop_checked_beta(body, counting)
+
+
+def _drop_checked_beta(body, counting):
+    """The beta API's fields: context editing (Claude Code sends ``clear_thinking`` edits:
+    Kiln drops thinking blocks anyway and sends the conversation as given), MCP servers
+    (Anthropic's connector; left out as offered server tools are), server-side fallbacks;
+    billing someone else, compaction and server-held threads are refused (``count_tokens``
+    ignores ``compaction``, as Anthropic's reference says)."""
+    if "context_management" in body:
+        edits = as_object(body["context_management"], "context_management").get("edits")
+        if edits is not None:
+            if not isinstance(edits, list):
+                raise invalid("context_management.edits", "Input should be a list",
+                              "invalid_type")
+            for i, edit in enumerate(edits):
+                as_string(as_object(edit, f"context_management.edits.{i}").get("type"),
+                          f"context_management.edits.{i}.type")
+    if "mcp_servers" in body and not isinstance(body["mcp_servers"], list):
+        raise invalid("mcp_servers", "Input should be a list", "invalid_type")
+    if "fallback_credit_token" in body:
+        as_string(body["fallback_credit_token"], "fallback_credit_token")
+    fallbacks = body.get("fallbacks")
+    if fallbacks is not None and fallbacks != "default" and not isinstance(fallbacks, list):
+        raise invalid("fallbacks", "Input should be a list or 'default'", "invalid_type")
+    policy = body.get("billing_policy")
+    if policy is not None:
+        bill_to = as_object(policy, "billing_policy").get("bill_to", "self")
+        if bill_to != "self":
+            raise UnsupportedParameter("billing_policy: Kiln bills the organization of the "
+                                       "API key; bill_to must be 'self'.",
+                                       param="billing_policy.bill_to")
+    for name, why in UNSUPPORTED_WHY.items():
+        if name in body and not (counting and name == "compaction"):
+            raise UnsupportedParameter(f"{name}: not supported by Kiln: {why}.", param=name)
 
 
 def _tools(tools, out):

@@ -40,6 +40,10 @@ from schemathesis.core.failures import FailureGroup
 SCHEMA_CHECKS = ("not_a_server_error", "status_code_conformance", "content_type_conformance",
                  "response_headers_conformance", "response_schema_conformance")
 CHAT = "POST /v1/chat/completions"
+# The operations of a path item (OpenAPI 3.1); its other keys (``parameters``, ``summary``, ...)
+# are shared by them.
+HTTP_METHODS = ("get", "put", "post", "delete", "options", "head", "patch", "trace")
+MESSAGES = ("POST /v1/messages", "POST /v1/messages/count_tokens")
 GENERATION = "GET /v1/generation"
 AIMED_SHARE = 0.9
 # Share of the cases for an operation (OTHER_SHARE if not named); chat completions take what
@@ -140,7 +144,7 @@ class Fuzzer:
         """Every operation of the document; chat completions first (later
         ``GET /v1/generation`` cases ask for their ids)."""
         labels = [f"{method.upper()} {path}" for path, item in self.document["paths"].items()
-                  for method in item]
+                  for method in item if method in HTTP_METHODS]
         others = {label: max(2, int(cases * SHARES.get(label, OTHER_SHARE)))
                   for label in labels if label != CHAT}
         return {CHAT: max(2, cases - sum(others.values())), **others}
@@ -180,7 +184,7 @@ class Fuzzer:
         """Point most positive cases at what exists: a catalog model, a generation seen."""
         if mode != "positive" or self.rng.random() >= AIMED_SHARE:
             return
-        if label == CHAT and isinstance(case.body, dict):
+        if (label == CHAT or label in MESSAGES) and isinstance(case.body, dict):
             case.body["model"] = self.rng.choice(self.models)
         if label == GENERATION and self.generations and isinstance(case.query, dict):
             case.query["id"] = self.rng.choice(self.generations)

@@ -3,6 +3,7 @@
 Also helpers for the database side of tests (orgs, keys, credits) through the gateway's own
 functions, so tests set up state exactly as an operator would.
 """
+import json
 import os
 import signal
 import socket
@@ -74,6 +75,21 @@ class Gateway:
     def log(self):
         """Return the gunicorn log so far."""
         return Path(self.log_path).read_text(errors="replace")
+
+    def log_events(self, **fields):
+        """The JSON lines of the log (``{"event": ...}``) whose members equal ``fields``."""
+        out = []
+        for line in self.log().splitlines():
+            start = line.find('{"event"')
+            if start < 0:
+                continue
+            try:
+                obj = json.loads(line[start:])
+            except ValueError:
+                continue
+            if all(obj.get(k) == v for k, v in fields.items()):
+                out.append(obj)
+        return out
 
     def signal(self, sig):
         self.proc.send_signal(sig)

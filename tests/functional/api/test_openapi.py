@@ -300,6 +300,137 @@ def test_other_endpoints_match_the_document(gateway, fake, org, document):
         check_response(document, path, resp)
 
 
+# -- the Anthropic Messages API (docs/MESSAGES.md) ----------------------------------------------
+
+MESSAGES_PATH, COUNT_PATH = "/v1/messages", "/v1/messages/count_tokens"
+ANTHROPIC_HEADERS = {"anthropic-version": "2023-06-01", "content-type": "application/json"}
+ANTHROPIC_TOOL = {"name": "get_weather", "description": "Weather now.",
+                  "input_schema": {"type": "object", "properties": {}}}
+MESSAGES_BODIES = [
+    {"model": "fake-model", "max_tokens": 100, "messages": MESSAGES},
+    {"model": "fake-model", "max_tokens": 32000, "system": [{"type": "text", "text": "Brief."}],
+     "messages": [{"role": "user", "content": [{"type": "text", "text": "Weather?"}]},
+                  {"role": "assistant", "content": [{"type": "tool_use", "id": "t1",
+                                                     "name": "get_weather", "input": {}}]},
+                  {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1",
+                                                "content": "sunny"}]}],
+     "tools": [ANTHROPIC_TOOL], "tool_choice": {"type": "auto"}, "temperature": 0.5,
+     "stop_sequences": ["END"], "metadata": {"user_id": "u1"}, "thinking": {"type": "adaptive"},
+     "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+     "output_config": {"effort": "high"}, "service_tier": "auto"},
+]
+
+
+def test_messages_paths_are_documented(document):
+    paths = document["paths"]
+    create = paths[MESSAGES_PATH]["post"]
+    assert set(create["responses"]) == {"200", "400", "401", "402", "403", "404", "413", "429",
+                                        "500", "502", "503"}
+    assert set(create["responses"]["200"]["content"]) == {"application/json",
+                                                          "text/event-stream"}
+    assert "X-Kiln-Max-Tokens-Lowered" in create["responses"]["200"]["headers"]
+    assert {"apiKey": []} in create["security"] and {"anthropicApiKey": []} in create["security"]
+    assert document["components"]["securitySchemes"]["anthropicApiKey"]["name"] == "x-api-key"
+    assert set(paths[COUNT_PATH]["post"]["responses"]) >= {"200", "400", "401", "404"}
+    refs_ = set(refs(document))
+    assert {"#/components/schemas/MessagesRequest", "#/components/schemas/Message",
+            "#/components/schemas/AnthropicError"} <= refs_
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("body", MESSAGES_BODIES, ids=["plain", "every-kind"])
+def test_messages_requests_and_answers_match_the_document(gateway, fake, org, document, body,
+                                                          stream):
+    body = {**body, "stream": stream}
+    component(document, "MessagesRequest").validate(body)
+    r = requests.post(gateway.base_url + MESSAGES_PATH, json=body, timeout=30,
+                      headers={**ANTHROPIC_HEADERS, "x-api-key": org.key})
+    assert r.status_code == 200, r.text
+    media = check_response(document, MESSAGES_PATH, r, "post")
+    assert media == ("text/event-stream" if stream else "application/json")
+    if stream:
+        event = validator(document, media_pointer(MESSAGES_PATH, "post", 200,
+                                                  "text/event-stream") + "/schema")
+        data = validator(document, media_pointer(MESSAGES_PATH, "post", 200,
+                                                 "text/event-stream") + "/x-sse-data")
+        frames = [dict(line.split(": ", 1) for line in frame.split("\n"))
+                  for frame in r.text.strip().split("\n\n")]
+        for frame in frames:
+            event.validate(frame)
+            data.validate(json.loads(frame["data"]))
+        assert frames[-1]["event"] == "message_stop"
+    if body["max_tokens"] > 1024:
+        assert r.headers["X-Kiln-Max-Tokens-Lowered"] == f"{body['max_tokens']}->1024"
+
+
+def test_messages_stream_failure_matches_the_document(gateway, fake, org, document):
+    fake.enqueue(MID_STREAM_FAILURE)
+    r = requests.post(gateway.base_url + MESSAGES_PATH, timeout=30,
+                      json={**MESSAGES_BODIES[0], "stream": True},
+                      headers={**ANTHROPIC_HEADERS, "x-api-key": org.key})
+    data = validator(document, media_pointer(MESSAGES_PATH, "post", 200, "text/event-stream")
+                     + "/x-sse-data")
+    payloads = sse_payloads(r.text)
+    for payload in payloads:
+        data.validate(payload)
+    assert payloads[-1]["type"] == "error"
+    component(document, "AnthropicError").validate(payloads[-1])
+
+
+def test_count_tokens_matches_the_document(gateway, org, document):
+    body = {"model": "fake-model", "messages": MESSAGES, "system": "Brief."}
+    component(document, "MessageCountTokensRequest").validate(body)
+    r = requests.post(gateway.base_url + COUNT_PATH, json=body, timeout=30,
+                      headers={**ANTHROPIC_HEADERS, "x-api-key": org.key})
+    assert r.status_code == 200 and r.json()["input_tokens"] > 0
+    check_response(document, COUNT_PATH, r, "post")
+    assert not component(document, "MessageCountTokensRequest").is_valid(
+        {**body, "max_tokens": 10})
+    r = requests.post(gateway.base_url + COUNT_PATH, json={**body, "max_tokens": 10},
+                      timeout=30, headers={**ANTHROPIC_HEADERS, "x-api-key": org.key})
+    assert r.status_code == 400
+    check_response(document, COUNT_PATH, r, "post")
+
+
+MESSAGES_INVALID = [
+    {"model": "fake-model", "messages": MESSAGES},  # no max_tokens
+    {"model": "fake-model", "max_tokens": 10, "messages": []},
+    {"model": "fake-model", "max_tokens": 10, "messages": MESSAGES, "n": 2},
+    {"model": "fake-model", "max_tokens": 10, "messages": MESSAGES, "temperature": 1.5},
+    {"model": "fake-model", "max_tokens": 10, "messages": MESSAGES,
+     "stop_sequences": ["a", "b", "c", "d", "e"]},
+    {"model": "fake-model", "max_tokens": 10, "messages": [{"role": "wizard", "content": "x"}]},
+]
+
+
+def test_messages_errors_match_the_document(gateway, fake, org, engine, document):
+    url = gateway.base_url + MESSAGES_PATH
+    seen = {}
+
+    def record(resp):
+        check_response(document, MESSAGES_PATH, resp, "post")
+        seen[resp.status_code] = resp
+
+    for body in MESSAGES_INVALID:
+        assert not component(document, "MessagesRequest").is_valid(body)
+        r = requests.post(url, json=body, headers={"x-api-key": org.key}, timeout=30)
+        assert r.status_code == 400, body
+        record(r)
+    body = MESSAGES_BODIES[0]
+    record(requests.post(url, json=body, timeout=30))  # no key: 401
+    poor = make_org(engine, f"poor-openapi-msg-{org.id}", usd="0.0000001")
+    record(requests.post(url, json=body, headers={"x-api-key": poor.key}, timeout=30))
+    record(requests.post(url, json={**body, "model": "nope"}, headers={"x-api-key": org.key},
+                         timeout=30))
+    fake.enqueue(error_reply(500, "boom"))
+    record(requests.post(url, json=body, headers={"x-api-key": org.key}, timeout=30))
+    fake.enqueue(error_reply(429, "busy"))
+    record(requests.post(url, json=body, headers={"x-api-key": org.key}, timeout=30))
+    assert set(seen) == {400, 401, 402, 404, 502, 503}
+    assert seen[502].json()["error"]["type"] == "api_error"  # JSON here, not plain text
+    assert seen[503].json()["error"]["type"] == "overloaded_error"
+
+
 # -- the Responses API -------------------------------------------------------------------------
 
 RESPONSES = "/v1/responses"

@@ -15,6 +15,9 @@ from types import SimpleNamespace
 
 import pytest
 from anthropic.types import content_block_param, message_count_tokens_params, tool_param
+from anthropic.types.beta import message_count_tokens_params as beta_count_params
+from anthropic.types.beta.message_create_params import \
+    MessageCreateParamsBase as BetaMessageCreateParamsBase
 from anthropic.types.message_create_params import MessageCreateParamsBase
 
 from factories import model_entry
@@ -72,13 +75,18 @@ def refused(**changes):
 # -- the fields, against the SDK ------------------------------------------------------------
 
 def test_fields_are_the_sdks():
-    """Every field of the SDK's MessageCreateParams has a row, and no other but ``stream`` and
-    the sampling fields the reference documents: a new SDK field fails here."""
+    """Every field of the SDK's MessageCreateParams, and of the beta API's (Claude Code's
+    ``?beta=true``; ``betas`` is the ``anthropic-beta`` header, not a body field), has a row,
+    and no other but ``stream`` and the sampling fields the reference documents: a new SDK
+    field fails here."""
     sdk = set(MessageCreateParamsBase.__annotations__) | {"stream"}
-    assert set(req.FIELDS) - sdk == set(req.LEGACY_SAMPLING)
-    assert sdk <= set(req.FIELDS)
-    assert set(req.COUNT_FIELDS) == set(
-        message_count_tokens_params.MessageCountTokensParams.__annotations__)
+    beta = set(BetaMessageCreateParamsBase.__annotations__) - {"betas"}
+    assert beta - sdk == set(req.BETA_FIELDS)
+    assert set(req.FIELDS) - sdk - beta == set(req.LEGACY_SAMPLING)
+    assert sdk | beta <= set(req.FIELDS)
+    counted = set(message_count_tokens_params.MessageCountTokensParams.__annotations__)
+    beta_counted = set(beta_count_params.MessageCountTokensParams.__annotations__) - {"betas"}
+    assert set(req.COUNT_FIELDS) == counted | beta_counted
 
 
 def _literal(annotation):
@@ -128,7 +136,14 @@ def test_mapped_field(field, value, check):
 DROPPED = [("service_tier", "standard_only"), ("cache_control", {"type": "ephemeral"}),
            ("container", "container_1"), ("diagnostics", {"previous_message_id": None}),
            ("inference_geo", "us"), ("speed", "fast"), ("user_profile_id", "up_1"),
-           ("workspace_id", "wrkspc_1")]
+           ("workspace_id", "wrkspc_1"),
+           # what Claude Code sends (docs/MESSAGES.md, "Claude Code")
+           ("context_management", {"edits": [{"type": "clear_thinking_20251015",
+                                              "keep": "all"}]}),
+           ("mcp_servers", [{"type": "url", "url": "https://mcp.example/sse", "name": "x"}]),
+           ("fallbacks", "default"), ("fallback_credit_token", "fct_1"),
+           ("billing_policy", {"type": "billing_policy", "bill_to": "self"})]
+UNSUPPORTED = [("compaction", {"type": "compaction"}), ("thread", {"type": "create"})]
 
 
 @pytest.mark.parametrize("field,value", DROPPED, ids=[d[0] for d in DROPPED])
@@ -139,8 +154,27 @@ def test_dropped_field(field, value):
     parse(**{field: value})
 
 
+@pytest.mark.parametrize("field,value", UNSUPPORTED, ids=[u[0] for u in UNSUPPORTED])
+def test_unsupported_field(field, value):
+    """In the reference, but nothing Kiln can do: a 400 naming it, not a silent drop."""
+    assert req.FIELDS[field] == req.UNSUPPORTED
+    err = refused(**{field: value})
+    assert (err.status, err.param, err.code) == (400, field, "unsupported_parameter")
+
+
+def test_count_tokens_ignores_compaction_as_anthropic_does():
+    b = {"model": "m", "messages": USER, "compaction": {"type": "compaction"},
+         "context_management": {"edits": []}}
+    assert CODEC.count_tokens(b, CATALOG, len(json.dumps(b)), lambda text: None)["input_tokens"]
+
+
+def test_billing_someone_else_is_refused():
+    err = refused(billing_policy={"type": "billing_policy", "bill_to": "user_profile"})
+    assert (err.status, err.param) == (400, "billing_policy.bill_to")
+
+
 def test_every_field_has_a_test():
-    tested = {m[0] for m in MAPPED} | {d[0] for d in DROPPED}
+    tested = {m[0] for m in MAPPED} | {d[0] for d in DROPPED} | {u[0] for u in UNSUPPORTED}
     assert tested == set(req.FIELDS)
 
 
