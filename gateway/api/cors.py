@@ -19,13 +19,16 @@ from flask import Response, current_app, request
 
 from ..errors import GENERATION_HEADER
 
-ALLOW_METHODS = "GET, POST, OPTIONS"
-# Request headers the OpenAI SDKs (Python, JavaScript) send besides the CORS-safelisted ones.
+ALLOW_METHODS = "GET, POST, DELETE, OPTIONS"  # DELETE: a stored response
+# Request headers the OpenAI and Anthropic SDKs (Python, JavaScript) send besides the
+# CORS-safelisted ones; Anthropic's JavaScript SDK asks browsers for the last one.
 ALLOW_HEADERS = frozenset({"authorization", "content-type", "accept", "user-agent",
                            "openai-organization", "openai-project", "openai-beta",
-                           "idempotency-key"})
+                           "idempotency-key", "x-api-key", "anthropic-version",
+                           "anthropic-beta", "anthropic-dangerous-direct-browser-access"})
 ALLOW_HEADER_PREFIX = "x-stainless-"  # x-stainless-os, -retry-count, -timeout, ... (SDK metadata)
-EXPOSE_HEADERS = f"{GENERATION_HEADER}, Retry-After"
+# The Messages API's lowered max_tokens (gateway/dialects/messages_request.py).
+EXPOSE_HEADERS = f"{GENERATION_HEADER}, Retry-After, X-Kiln-Max-Tokens-Lowered"
 MAX_AGE_S = 600  # browsers cache a preflight this long (Chromium caps it at 7200)
 API_PATHS = ("/v1/", "/openapi.json")
 DEFAULT_PORTS = {"http": 80, "https": 443}

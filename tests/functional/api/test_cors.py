@@ -160,3 +160,22 @@ def test_cors_is_off_by_default(gateway, fake, org):
 def test_a_malformed_origin_setting_stops_the_gateway_at_boot(start_gateway, setting):
     with pytest.raises(RuntimeError, match="KILN_CORS_ORIGINS"):
         start_gateway(cors_origins=setting)
+
+
+def test_preflights_allow_what_the_anthropic_sdk_and_the_responses_paths_need(
+        start_gateway, fake):
+    """A browser app on Anthropic's JavaScript SDK names its headers in the preflight of
+    ``/v1/messages``; one deleting a stored response asks for DELETE. Both are allowed, and the
+    lowered max_tokens header is readable."""
+    gw = start_gateway(cors_origins=ORIGIN)
+    requested = ["content-type", "x-api-key", "anthropic-version", "anthropic-beta",
+                 "anthropic-dangerous-direct-browser-access", "x-stainless-lang"]
+    r = preflight(gw, "/v1/messages", ORIGIN, requested)
+    assert r.status_code == 204
+    allowed = {h.strip() for h in r.headers["Access-Control-Allow-Headers"].split(",")}
+    assert set(requested) <= allowed, set(requested) - allowed
+    gone = preflight(gw, "/v1/responses/resp_abc", ORIGIN, method="DELETE")
+    assert "DELETE" in {m.strip() for m in gone.headers["Access-Control-Allow-Methods"].split(",")}
+    answered = requests.post(gw.base_url + "/v1/messages", json={}, timeout=30,
+                             headers={"Origin": ORIGIN})
+    assert "X-Kiln-Max-Tokens-Lowered" in answered.headers["Access-Control-Expose-Headers"]
