@@ -44,10 +44,18 @@ def save(engine, org_id, response, input_items, retention=DEFAULT_RETENTION,
          generation_id=None, now=None):
     """Store ``response`` (a Response object, dict) and its request's ``input_items``.
 
+    On Postgres the commit does not wait for its WAL flush (``synchronous_commit = off`` for
+    this transaction): the row is visible to every session at once, as a continuation needs,
+    and a database crash can lose the last fraction of a second of stored responses (never
+    money: the usage event is the settlement's, committed durably). That flush was most of
+    what storing added to an answer's latency (bench/RESULTS.md).
+
     :param retention: a ``timedelta``: the row expires that long after now.
     """
     now = now or utcnow()
     with engine.begin() as conn:
+        if conn.dialect.name == "postgresql":
+            conn.exec_driver_sql("SET LOCAL synchronous_commit = off")
         conn.execute(t.insert().values(
             id=response["id"], org_id=org_id, generation_id=generation_id, created_at=now,
             expires_at=now + retention, model=response.get("model") or "",
