@@ -53,14 +53,26 @@ def save(engine, org_id, response, input_items, retention=DEFAULT_RETENTION,
     :param retention: a ``timedelta``: the row expires that long after now.
     """
     now = now or utcnow()
-    with engine.begin() as conn:
-        if conn.dialect.name == "postgresql":
-            conn.exec_driver_sql("SET LOCAL synchronous_commit = off")
-        conn.execute(t.insert().values(
-            id=response["id"], org_id=org_id, generation_id=generation_id, created_at=now,
-            expires_at=now + retention, model=response.get("model") or "",
-            previous_response_id=response.get("previous_response_id"),
-            response=dumps(response), input_items=dumps(input_items)))
+    values = {"id": response["id"], "org_id": org_id, "generation_id": generation_id,
+              "created_at": now, "expires_at": now + retention,
+              "model": response.get("model") or "",
+              "previous_response_id": response.get("previous_response_id"),
+              "response": dumps(response), "input_items": dumps(input_items)}
+    if engine.dialect.name != "postgresql":
+        with engine.begin() as conn:
+            conn.execute(t.insert().values(**values))
+        return
+    # One statement in its own transaction, one round trip: the setting is local to it.
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        conn.execute(_SAVE_ASYNC, values)
+
+
+_SAVE_ASYNC = sa.text(
+    "INSERT INTO stored_responses (id, org_id, generation_id, created_at, expires_at, model, "
+    "previous_response_id, response, input_items) "
+    "SELECT :id, :org_id, :generation_id, :created_at, :expires_at, :model, "
+    ":previous_response_id, :response, :input_items "
+    "FROM (SELECT set_config('synchronous_commit', 'off', true)) AS async_commit")
 
 
 def _not_found(response_id, param=None):
