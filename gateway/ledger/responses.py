@@ -75,6 +75,29 @@ _SAVE_ASYNC = sa.text(
     "FROM (SELECT set_config('synchronous_commit', 'off', true)) AS async_commit")
 
 
+# The chain, newest first found, oldest first returned: one statement, compiled once.
+_CHAIN = sa.text("""
+WITH RECURSIVE chain AS (
+  SELECT id, previous_response_id, response, input_items, 0 AS depth
+    FROM stored_responses
+   WHERE id = :id AND org_id = :org_id AND expires_at > :now
+  UNION ALL
+  SELECT r.id, r.previous_response_id, r.response, r.input_items, c.depth + 1
+    FROM stored_responses r JOIN chain c ON r.id = c.previous_response_id
+   WHERE r.org_id = :org_id AND r.expires_at > :now AND c.depth < :max)
+SELECT id, previous_response_id, response, input_items FROM chain ORDER BY depth DESC"""
+                 ).bindparams(sa.bindparam("now", type_=t.c.expires_at.type))
+
+
+def _reading(engine):
+    """A connection for one read: on Postgres in autocommit (no BEGIN and ROLLBACK around the
+    statement: one round trip)."""
+    conn = engine.connect()
+    if engine.dialect.name == "postgresql":
+        conn = conn.execution_options(isolation_level="AUTOCOMMIT")
+    return conn
+
+
 def _not_found(response_id, param=None):
     return NotFound(f"Response with id '{str(response_id)[:80]}' not found.", param=param)
 
@@ -116,17 +139,9 @@ def load_chain(engine, org_id, response_id, now=None):
         response before it is unknown, expired, deleted or another org's: a conversation is
         never continued with part of its history missing.
     """
-    now = now or utcnow()
-    head = sa.select(t.c.id, t.c.previous_response_id, t.c.response, t.c.input_items,
-                     sa.literal(0).label("depth")).where(
-        t.c.id == response_id, _live(org_id, now)).cte("chain", recursive=True)
-    link = sa.select(t.c.id, t.c.previous_response_id, t.c.response, t.c.input_items,
-                     (head.c.depth + 1).label("depth")).join(
-        head, t.c.id == head.c.previous_response_id).where(
-        _live(org_id, now), head.c.depth < MAX_CHAIN)
-    chain = head.union_all(link)
-    with engine.connect() as conn:
-        rows = conn.execute(sa.select(chain).order_by(chain.c.depth.desc())).all()
+    with _reading(engine) as conn:
+        rows = conn.execute(_CHAIN, {"id": response_id, "org_id": org_id,
+                                     "now": now or utcnow(), "max": MAX_CHAIN}).all()
     if not rows:
         raise _not_found(response_id, "previous_response_id")
     if rows[0].previous_response_id is not None:  # the oldest found still names another
