@@ -6,14 +6,12 @@ README "API" and docs/PARAMETERS.md are the contract; README gives the order: au
 four in :mod:`gateway.flow.life`).
 Reading and parsing the body are bounded in time and memory (:mod:`gateway.api.intake`).
 """
-from flask import Blueprint, current_app, g, request
+from flask import Blueprint
 
 from ..dialects.chat import CODEC
-from ..errors import Forbidden
-from ..flow.life import respond
-from ..ops import lifecycle
 from .auth import require_key
-from .bodies import never_drained, read_body
+from .bodies import never_drained
+from .generate import generate
 
 bp = Blueprint("chat", __name__)
 bp.after_request(never_drained)
@@ -23,12 +21,4 @@ bp.after_request(never_drained)
 @require_key
 def chat_completions():
     """Create a chat completion, metered and billed; JSON or an SSE stream."""
-    services = current_app.extensions["kiln"]
-    body, body_bytes = read_body(services, current_app.extensions["kiln.parse_budget"],
-                                 CODEC.name)
-    chat = CODEC.parse(body, services.catalog, body_bytes)
-    if not g.principal.may_use(chat.entry.id):
-        raise Forbidden(f"This API key may not use model '{chat.entry.id}'.", param="model",
-                        code="model_not_allowed")
-    lifecycle.check_maintenance()
-    return respond(services, g.principal, chat, CODEC, request.environ)
+    return generate(CODEC)

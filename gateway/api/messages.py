@@ -5,15 +5,14 @@ never admitted or billed). Errors in Anthropic's envelope (docs/MESSAGES.md).
 Clients authenticate with ``x-api-key`` (Anthropic's header) or ``Authorization: Bearer``; any
 ``anthropic-version`` and ``anthropic-beta`` are accepted, as newer clients send newer ones.
 """
-from flask import Blueprint, current_app, g, jsonify, request
+from flask import Blueprint, current_app, jsonify
 
 from ..backends import upstream
 from ..dialects.messages import MessagesCodec
-from ..errors import Forbidden, register_error_handlers
-from ..flow.life import respond
-from ..ops import lifecycle
+from ..errors import register_error_handlers
 from .auth import require_key
 from .bodies import never_drained, read_body
+from .generate import check_model, generate
 
 CODEC = MessagesCodec()
 bp = Blueprint("messages", __name__)
@@ -25,13 +24,7 @@ register_error_handlers(bp, CODEC.error_body)
 @require_key
 def create_message():
     """Create a message, metered and billed; JSON or Anthropic's event stream."""
-    services = current_app.extensions["kiln"]
-    body, body_bytes = read_body(services, current_app.extensions["kiln.parse_budget"],
-                                 CODEC.name)
-    chat = CODEC.parse(body, services.catalog, body_bytes)
-    _check_model(chat.entry.id)
-    lifecycle.check_maintenance()
-    return respond(services, g.principal, chat, CODEC, request.environ)
+    return generate(CODEC)
 
 
 @bp.post("/messages/count_tokens")
@@ -46,14 +39,8 @@ def count_tokens():
     entry = services.catalog.get(model) if isinstance(model, str) else None
     backend = next((b for b in entry.backends if b.tokenize_url), None) if entry else None
     if entry is not None:
-        _check_model(entry.id)
+        check_model(entry.id)
 
     def count(text):
         return upstream.count_tokens(services.session, backend, text) if backend else None
     return jsonify(CODEC.count_tokens(body, services.catalog, body_bytes, count))
-
-
-def _check_model(model_id):
-    if not g.principal.may_use(model_id):
-        raise Forbidden(f"This API key may not use model '{model_id}'.", param="model",
-                        code="model_not_allowed")

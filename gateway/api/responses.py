@@ -14,12 +14,11 @@ from decimal import Decimal
 from flask import Blueprint, Response, current_app, g, request
 
 from ..endings import Status
-from ..errors import Forbidden, InvalidRequest, register_error_handlers
-from ..flow.life import respond
+from ..errors import InvalidRequest, register_error_handlers
 from ..ledger import responses as stored
-from ..ops import lifecycle
 from .auth import require_key
-from .bodies import never_drained, read_body
+from .bodies import never_drained
+from .generate import generate
 
 log = logging.getLogger(__name__)
 bp = Blueprint("responses", __name__)
@@ -37,19 +36,15 @@ def codec():
 @require_key
 def create_response():
     """Create a response, metered and billed; JSON or the typed event stream."""
-    services, dialect = current_app.extensions["kiln"], codec()
-    body, body_bytes = read_body(services, current_app.extensions["kiln.parse_budget"],
-                                 dialect.name)
-    history = _history(services, body)
-    if history:  # the carried items count in the hold's prompt bound like any input
-        body_bytes += len(json.dumps(history, separators=(",", ":"), default=str))
-    chat = dialect.parse(body, services.catalog, body_bytes, history)
-    if not g.principal.may_use(chat.entry.id):
-        raise Forbidden(f"This API key may not use model '{chat.entry.id}'.", param="model",
-                        code="model_not_allowed")
-    lifecycle.check_maintenance()
-    on_answer = _store(services, g.principal.org_id, chat) if chat.store else None
-    return respond(services, g.principal, chat, dialect, request.environ, on_answer)
+    services, dialect, org_id = current_app.extensions["kiln"], codec(), g.principal.org_id
+
+    def parse(body, body_bytes):
+        history = _history(services, body)
+        if history:  # the carried items count in the hold's prompt bound like any input
+            body_bytes += len(json.dumps(history, separators=(",", ":"), default=str))
+        return dialect.parse(body, services.catalog, body_bytes, history)
+    return generate(dialect, parse,
+                    lambda chat: _store(services, org_id, chat) if chat.store else None)
 
 
 def _history(services, body):

@@ -3,35 +3,19 @@ llama.cpp server with SmolLM2-135M. The usage event, the header, ``usage.cost`` 
 balance change agree exactly; the SQLite smoke path of ``make run`` works too."""
 import subprocess
 import sys
-import tempfile
 from decimal import Decimal
-from pathlib import Path
 
 import openai
 import pytest
 import sqlalchemy as sa
 
 from factories import SMOLLM2_NANOS, literal_cost_nanos
-from gateway_proc import (ROOT, Gateway, balance_nanos, free_port, make_org, settled_event,
+from gateway_proc import (ROOT, Gateway, balance_nanos, make_org, settled_event,
                           usage_event)
-from model_server import start_model_server, stop, wait_ready
 
 pytestmark = pytest.mark.llama
 
 MESSAGES = [{"role": "user", "content": "Name three colours."}]
-
-
-@pytest.fixture(scope="module")
-def llama():
-    """The real model server, started once for this module; yields its base URL (``/v1``)."""
-    port = free_port()
-    log = Path(tempfile.mkdtemp()) / "llama.log"
-    proc = start_model_server(sys.executable, port, log)
-    try:
-        wait_ready(f"http://127.0.0.1:{port}", timeout_s=180, proc=proc)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        stop(proc)
 
 
 @pytest.fixture(scope="module")

@@ -4,10 +4,7 @@ through Kiln (gunicorn, gevent workers), to the real llama.cpp server with SmolL
 the balance's change agree exactly; every request is billed once.
 """
 import json
-import sys
-import tempfile
 from decimal import Decimal
-from pathlib import Path
 
 import anthropic
 import pytest
@@ -15,8 +12,7 @@ import pytest
 import claude_code
 from factories import SMOLLM2_NANOS, literal_cost_nanos
 from fake_upstream import chat_completion, json_reply, make_usage
-from gateway_proc import ROOT, Gateway, balance_nanos, free_port, make_org, settled_event
-from model_server import start_model_server, stop, wait_ready
+from gateway_proc import ROOT, Gateway, balance_nanos, make_org, settled_event
 from streams import org_events
 
 pytestmark = pytest.mark.llama
@@ -26,19 +22,6 @@ ASK = [{"role": "user", "content": "Name three colours."}]
 WEATHER = {"name": "get_weather", "description": "The weather in a city now.",
            "input_schema": {"type": "object", "properties": {"city": {"type": "string"}},
                             "required": ["city"]}}
-
-
-@pytest.fixture(scope="module")
-def llama():
-    """The real model server, started once for this module; yields its base URL."""
-    port = free_port()
-    log = Path(tempfile.mkdtemp()) / "llama.log"
-    proc = start_model_server(sys.executable, port, log)
-    try:
-        wait_ready(f"http://127.0.0.1:{port}", timeout_s=180, proc=proc)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        stop(proc)
 
 
 @pytest.fixture(scope="module")

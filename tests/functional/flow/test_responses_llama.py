@@ -4,17 +4,13 @@ SmolLM2-135M. Every response is billed exactly once: one usage event per generat
 endpoint ``responses``, its cost the answer's ``usage.cost``, the balance moved by exactly that;
 a continued conversation's carried history is metered as input (docs/RESPONSES.md)."""
 import json
-import sys
-import tempfile
 import uuid
-from pathlib import Path
 
 import openai
 import pytest
 
 from factories import CATALOG, SMOLLM2_NANOS, literal_cost_nanos
-from gateway_proc import ROOT, Gateway, balance_nanos, free_port, make_org, settled_event
-from model_server import start_model_server, stop, wait_ready
+from gateway_proc import ROOT, Gateway, balance_nanos, make_org, settled_event
 from responses_checks import (assert_billed_once, org_events, run_agent, stored_generations,
                               stored_ids)
 
@@ -22,19 +18,6 @@ pytestmark = pytest.mark.llama
 
 MODEL = "smollm2-135m"
 GRANT = 10 * 10**9
-
-
-@pytest.fixture(scope="module")
-def llama():
-    """The real model server, started once for this module; yields its base URL."""
-    port = free_port()
-    log = Path(tempfile.mkdtemp()) / "llama.log"
-    proc = start_model_server(sys.executable, port, log)
-    try:
-        wait_ready(f"http://127.0.0.1:{port}", timeout_s=180, proc=proc)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        stop(proc)
 
 
 @pytest.fixture(scope="module")
