@@ -10,7 +10,7 @@ the chunks is its codec's (:mod:`gateway.dialects`).
 """
 import json
 
-from ..backends.sse import DONE, dumps, without_member
+from ..backends.sse import DONE, ErrorEvent, dumps, without_member
 from .metering import EchoSkip
 
 
@@ -115,6 +115,9 @@ class StreamRules:
         """Return ``(payload to relay, its object)`` for a backend data ``payload`` (bytes), or
         None to relay nothing. The returned payload is the backend's bytes when Kiln changed
         nothing."""
+        if isinstance(payload, ErrorEvent):
+            self._backend_error(_error_event(payload))
+            return None
         if payload == DONE:
             self.done = True
             return None
@@ -127,18 +130,26 @@ class StreamRules:
             return None
         if ("error" in obj or obj.get("object") == "error") and not obj.get("choices"):
             # {"error": {...}} (vLLM, SGLang, llama.cpp) or a bare {"object": "error", ...}
-            self.error = obj.get("error") or obj
-            if self.chunk_id is None and not self.meter.deltas:
-                # Its first event, before any token: the backend refused the request
-                # (docs/METERING.md): nothing is billed.
-                self.meter.refused = True
+            self._backend_error(obj.get("error") or obj)
             return None
+        if b"\n" in payload:
+            # Several data lines joined (WHATWG HTML, "Server-sent events"): the client gets
+            # one data line. A JSON text has no raw newline inside a string, so each one is
+            # whitespace between tokens; a space keeps every other byte.
+            payload = payload.replace(b"\n", b" ")
         if self.chunk_id is None:
             self.chunk_id, self.created, self.model = (obj.get("id"), obj.get("created"),
                                                        obj.get("model"))
         if not self.meter.admit_chunk(obj):
             return None  # past the budget: the caller ends the stream
         return self._apply(obj, payload)
+
+    def _backend_error(self, error):
+        self.error = error
+        if self.chunk_id is None and not self.meter.deltas:
+            # Its first event, before any token: the backend refused the request
+            # (docs/METERING.md): nothing is billed.
+            self.meter.refused = True
 
     def _apply(self, obj, payload):
         choices = obj.get("choices")
@@ -228,6 +239,20 @@ class StreamRules:
             choice["text"] = echo + out
             return True
         return False
+
+
+def _error_event(payload):
+    """The error an ``event: error`` carries: its JSON's ``error`` object or the object itself
+    (the Responses API's ``{"type": "error", "message": ...}``); data that is not a JSON object
+    is not quoted."""
+    try:
+        obj = json.loads(payload)
+    except ValueError:
+        obj = None
+    if not isinstance(obj, dict):
+        return {"message": "the model backend sent an error event"}
+    error = obj.get("error")
+    return error if isinstance(error, dict) else obj
 
 
 def _has_tool_calls(choices):
