@@ -244,6 +244,11 @@ def test_an_error_event_is_the_backends_error():
     assert text.error == {"message": "the model backend sent an error event"}
 
 
+def test_an_empty_message_event_carries_nothing():
+    r = rules()
+    assert r.apply(b"") is None and r.apply(b"\n") is None and r.error is None
+
+
 def test_a_chunk_in_several_data_lines_reaches_the_client_as_one():
     splitter = EventSplitter()
     payloads = splitter.feed(b'data: {"id":"c1","choices":[{"index":0,\r\n'
