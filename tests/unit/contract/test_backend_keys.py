@@ -178,3 +178,20 @@ def test_a_keyed_apps_models_list_metrics_and_logs_never_show_the_key(tmp_path, 
             body_process.stop()
         engine.dispose()
 
+
+
+def test_kiln_catalog_check_reads_the_keys(tmp_path):
+    """The reload's check (deploy/kiln-gateway.service) fails on a key the workers could not
+    read, naming the variable, never showing a key."""
+    from click.testing import CliRunner
+
+    from gateway.ops import cli
+    path = catalog(tmp_path, backend('api_key_env = "KILN_TEST_BACKEND_KEY"'))
+    runner = CliRunner()
+    missing = runner.invoke(cli.main, ["catalog", "check", path],
+                            env={"KILN_TEST_BACKEND_KEY": None})
+    assert missing.exit_code == 1
+    assert "api_key_env KILN_TEST_BACKEND_KEY is not set" in missing.output
+    ok = runner.invoke(cli.main, ["catalog", "check", path],
+                       env={"KILN_TEST_BACKEND_KEY": SECRET})
+    assert ok.exit_code == 0 and SECRET not in ok.output
