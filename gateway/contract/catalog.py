@@ -270,17 +270,11 @@ def _with_key(entry, backend, environ):
     name, path = backend.api_key_env, backend.api_key_file
     if name is None and path is None:
         return backend
-    if name is not None and path is not None:
-        raise CatalogError(f"{where}: api_key_env and api_key_file both given; name one")
     if name is not None:
-        if not isinstance(name, str) or not name:
-            raise CatalogError(f"{where}: api_key_env must name an environment variable")
         key = environ.get(name) or ""
         if not key.strip():
             raise CatalogError(f"{where}: api_key_env {name} is not set, or empty")
     else:
-        if not isinstance(path, str) or not path:
-            raise CatalogError(f"{where}: api_key_file must name a file")
         try:
             with open(path, "rb") as fh:
                 key = fh.read(_MAX_KEY_BYTES + 1).decode("ascii")
@@ -321,3 +315,16 @@ def _check_fleet(entry):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise CatalogError(f"catalog entry {entry.id!r}: backend {backend.url}: {name} "
                                    f"must be a whole number, 0 or more")
+        _check_key_source(entry, backend)
+
+
+def _check_key_source(entry, backend):
+    """A backend names its key's variable or its file (non-empty text), not both."""
+    where = f"catalog entry {entry.id!r}: backend {backend.url}"
+    name, path = backend.api_key_env, backend.api_key_file
+    if name is not None and path is not None:
+        raise CatalogError(f"{where}: api_key_env and api_key_file both given; name one")
+    if name is not None and (not isinstance(name, str) or not name or "=" in name):
+        raise CatalogError(f"{where}: api_key_env must name an environment variable")
+    if path is not None and (not isinstance(path, str) or not path):
+        raise CatalogError(f"{where}: api_key_file must name a file")

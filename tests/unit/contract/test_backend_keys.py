@@ -103,8 +103,10 @@ def test_a_key_is_named_not_written_and_named_once(tmp_path):
     key_file.write_text(SECRET)
     assert "both given" in load_error(
         tmp_path, backend(f'api_key_env = "K", api_key_file = "{key_file}"'), {"K": SECRET})
-    assert "must name an environment variable" in load_error(
-        tmp_path, backend('api_key_env = ""'))
+    for source in ('api_key_env = ""', "api_key_env = 7", 'api_key_file = ""'):
+        assert "must name" in load_error(tmp_path, backend(source))
+        with pytest.raises(CatalogError):  # the shape is checked also when no key is read
+            load_catalog(catalog(tmp_path, backend(source)))
 
 
 # -- on the wire -----------------------------------------------------------------------------
