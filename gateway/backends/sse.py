@@ -100,6 +100,12 @@ class EventSplitter:
         return (bytes(self._head or b"") + bytes(self._buf)).strip()
 
 
+def unfinished_payload(pending):
+    """Return what the unfinished event ``pending`` (:attr:`EventSplitter.pending`) would carry
+    had its blank line come: a stream cut just before it may still have said ``[DONE]``."""
+    return _payload(pending.replace(b"\r\n", b"\n").replace(b"\r", b"\n"))
+
+
 def _payload(event):
     """Return the payload of one event's lines (LF-separated, no blank line): the ``data`` of
     a ``message`` event, an :class:`ErrorEvent` for an ``error`` event, else None."""

@@ -11,8 +11,10 @@ import pytest
 from gateway.backends.sse import (BOM, DONE, ErrorEvent, EventSplitter, frame, member_span,
                                   with_cost, without_member)
 from gateway.billing import Usage
+from gateway.backends.relay import StreamFailed
 from gateway.dialects.chat import ChatStream
 from gateway.flow.metering import Meter
+from gateway.flow.outcomes import check_complete
 from gateway.flow.rules import StreamRules
 
 pytestmark = pytest.mark.unit
@@ -130,6 +132,15 @@ def test_an_error_event_is_returned_marked():
 def test_a_field_name_without_a_colon_has_an_empty_value():
     events, _ = feed_pieces([b"data\n\ndata\ndata\n\ndata:x\nid\nretry\n\n"])
     assert events == [b"", b"\n", b"x"]
+
+
+@pytest.mark.parametrize("tail", [b"data: [DONE]", b"data:[DONE]\r\n",
+                                  b"event: message\ndata: [DONE]"])
+def test_a_done_without_its_blank_line_ends_the_stream_complete(tail):
+    events, splitter = feed_pieces([b"data: {\"a\":1}\n\n" + tail])
+    check_complete(rules(), splitter.pending)  # raises if not complete
+    with pytest.raises(StreamFailed):
+        check_complete(rules(), b'data: {"tru')
 
 
 def test_unfinished_event_is_pending():
