@@ -4,12 +4,19 @@ optional leading byte-order mark, events of one or more ``data:`` lines (with or
 space after the colon, or a bare ``data`` field: an empty value), comment, ``id:`` and
 ``retry:`` lines and bare field names, ``event:`` names (none, empty or ``message``: a chat
 chunk; ``error``: the backend's error; any other: dropped), any line ending (LF, CRLF, CR,
-mixed), payloads of any bytes but CR and LF, multi-byte UTF-8 included."""
+mixed), payloads of any bytes but CR and LF, multi-byte UTF-8 included. And what the client
+gets of chunks written over several data lines: one ``data:`` line each, the same JSON."""
+import json
+from types import SimpleNamespace
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway.backends.sse import BOM, ErrorEvent, EventSplitter
+from gateway.dialects.chat import ChatStream
+from gateway.flow.metering import Meter
+from gateway.flow.rules import StreamRules
 
 pytestmark = pytest.mark.unit
 NEWLINE = st.sampled_from([b"\n", b"\r\n", b"\r"])
@@ -108,3 +115,31 @@ def test_one_byte_at_a_time_yields_the_same_events(drawn):
     for i in range(len(data)):
         events += splitter.feed(data[i:i + 1])
     assert typed(events) == typed(payloads)
+
+
+CONTENT = st.text(st.characters(blacklist_categories=["Cs"]), max_size=20)
+
+
+@settings(max_examples=200, deadline=None)
+@given(contents=st.lists(CONTENT, min_size=1, max_size=5), indent=st.sampled_from([None, 0, 2]),
+       newline=NEWLINE, cuts=st.lists(st.integers(min_value=0), max_size=10))
+def test_each_chunk_reaches_the_client_on_one_data_line(contents, indent, newline, cuts):
+    """Chunks a server writes over several data lines (pretty-printed JSON, one data line per
+    line) leave Kiln as OpenAI's: one ``data:`` line each, the same JSON."""
+    chunks = [{"id": "c1", "object": "chat.completion.chunk",
+               "choices": [{"index": 0, "delta": {"content": c}, "finish_reason": None}]}
+              for c in contents]
+    data = b"".join(b"".join(b"data: " + line + newline
+                             for line in json.dumps(chunk, indent=indent).encode().split(b"\n"))
+                    + newline for chunk in chunks)
+    splitter, rules = EventSplitter(), StreamRules(Meter(10_000), (), False)
+    stream, out = ChatStream(SimpleNamespace(include_usage=False)), b""
+    for piece in split_at(data, cuts):
+        for payload in splitter.feed(piece):
+            kept = rules.apply(payload)
+            out += stream.chunk(*kept) if kept else b""
+    frames = out.split(b"\n\n")
+    assert frames[-1] == b"" and len(frames) == len(chunks) + 1
+    for frame, chunk in zip(frames, chunks, strict=False):
+        assert frame.startswith(b"data: ") and b"\n" not in frame
+        assert json.loads(frame[6:]) == chunk
