@@ -20,8 +20,11 @@ context_window = 4096
 max_output_tokens = 256
 endpoints = ["chat", "completions"]
 pricing = {{ input = "0.10", cached_input = "0.05", output = "0.30" }}
-backends = [{{ url = "{url}", model = "keyed-up", api_key_env = "{variable}",
-               tokenize_url = "{url}/extras/tokenize/count" }}]
+[[models.backends]]
+url = "{url}"
+model = "keyed-up"
+api_key_env = "{variable}"
+tokenize_url = "{url}/extras/tokenize/count"
 
 [[models]]
 id = "keyed-embed"
