@@ -3,14 +3,16 @@ import logging
 
 from flask import Flask, request
 
-from .config import Config
+from .config import Config, environment
 
 
-def create_app(config=None):
+def create_app(config=None, environ=None):
     """Build the WSGI app.
 
     :param config: a :class:`Config`, a mapping of Config field names, or None for the
         ``KILN_*`` environment.
+    :param environ: where the catalog's backend keys (``api_key_env``) are read; None: the
+        process environment.
     """
     # The composition root: the one module that imports every layer.
     from .api import account, activity, auth, body_process, chat, cors, intake, openapi
@@ -31,7 +33,9 @@ def create_app(config=None):
     app = Flask(__name__)
     app.config["KILN"] = config
     engine = create_engine(config)
-    models, gauges = catalog.load_catalog(config.models), metrics.Metrics()
+    models = catalog.load_catalog(config.models,
+                                  environment() if environ is None else environ)
+    gauges = metrics.Metrics()
     states = fleet.prepare(models, config)
     # Chosen once: the benchmarks' unmetered baseline has no ledger at all (KILN_METERING).
     background = Background(lambda name: gauges.background_restarts.labels(name).inc())

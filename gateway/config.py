@@ -100,6 +100,12 @@ class Config:
         return frozenset(p.strip() for p in self.trusted_proxies.split(",") if p.strip())
 
 
+def environment():
+    """The process environment, for the catalog's backend keys (``api_key_env``): the one read
+    of it beside the ``KILN_*`` settings."""
+    return os.environ
+
+
 def _coerce(name, type_, raw):
     if not isinstance(raw, str) or type_ is str:
         return raw

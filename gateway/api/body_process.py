@@ -186,7 +186,7 @@ def main():
     sys.stdout = sys.stderr  # nothing but answers goes down the pipe
     _, setup = _read_message(stdin)
     models_path, max_body_bytes = pickle.loads(setup)
-    catalog = load_catalog(models_path)
+    catalog = load_catalog(models_path)  # bodies only: no backend is called, no key read
     stdout.write(READY)
     stdout.flush()
     while True:

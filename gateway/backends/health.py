@@ -24,7 +24,7 @@ import gevent
 import requests
 from gevent.pool import Group
 
-from .upstream import unreachable
+from .upstream import auth_headers, unreachable
 
 log = logging.getLogger(__name__)
 
@@ -168,7 +168,8 @@ def probe(session, backend, breaker, path, timeout_s, policy):
     url = backend.url.rstrip("/") + path
     for last_try in (False, True):
         try:
-            resp = session.get(url, timeout=(timeout_s, timeout_s))
+            resp = session.get(url, timeout=(timeout_s, timeout_s),
+                               headers=auth_headers(backend))
             resp.close()
             break
         except requests.ConnectionError as err:

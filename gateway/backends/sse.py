@@ -1,15 +1,24 @@
 """Server-sent events: framing on bytes, and editing a chunk's JSON in place.
 
 Events are split on blank lines while still bytes and decoded only whole, so a chunk boundary
-inside a multi-byte character or between the two newlines that end an event changes nothing
-(WHATWG HTML, "Server-sent events"). Comment, ``event:``, ``id:`` and ``retry:`` lines are
-dropped. :func:`without_member` and :func:`with_cost` edit a payload's bytes in place, so that
+inside a multi-byte character or between the two newlines that end an event changes nothing.
+Each event's lines are read as the standard reads them (WHATWG HTML, "Server-sent events",
+"Interpreting an event stream"): one leading byte-order mark is dropped; a line is a comment
+(``:``), ``field: value`` (one space after the colon is not the value's) or a bare field name
+(an empty value); the ``data`` lines of an event are joined with newlines; the last ``event``
+line names it (none, or an empty name, is ``message``); ``id``, ``retry`` and unknown fields
+are dropped; an event with no ``data`` line is nothing. Only ``message`` events are chat
+chunks; an ``error`` event is returned marked (:class:`ErrorEvent`: the backend's error,
+docs/RELIABILITY.md, "Streams from every real server"); events of any other name are dropped.
+:func:`without_member` and :func:`with_cost` edit a payload's bytes in place, so that
 every other field keeps its exact bytes; the rules that decide what to change are the flow's
 (:mod:`gateway.flow.rules`).
 """
 import json
 
 DONE = b"[DONE]"
+BOM = b"\xef\xbb\xbf"  # UTF-8 byte-order mark: one, at the very start, is not the stream's
+MESSAGE, ERROR = b"message", b"error"
 KEEPALIVE = b": keepalive\n\n"
 _COST_MARK = "\x00kiln-cost\x00"
 _DECODER = json.JSONDecoder()
@@ -20,12 +29,18 @@ class EventTooLarge(ValueError):
     """An event grew past the splitter's limit before it ended."""
 
 
+class ErrorEvent(bytes):
+    """The ``data`` of an event named ``error`` (``event: error``): the backend's error, not a
+    chunk."""
+
+
 class EventSplitter:
     """Accumulate bytes and return whole events' ``data`` payloads, in linear time.
 
     Lines may end in LF, CRLF or CR (the SSE grammar allows all three), also mixed, and a CRLF
-    may be split between two reads. Only the bytes after the last event are kept, and each read
-    is searched once: an event arriving in many small reads costs no more than one.
+    may be split between two reads, as may the byte-order mark. Only the bytes after the last
+    event are kept, and each read is searched once: an event arriving in many small reads costs
+    no more than one, and each event's lines are read once.
 
     :param max_event_bytes: an unfinished event longer than this raises :class:`EventTooLarge`.
     """
@@ -33,15 +48,24 @@ class EventSplitter:
     def __init__(self, max_event_bytes=None):
         self._buf = bytearray()
         self._after_cr = False  # the last read ended in CR: a leading LF is the rest of a CRLF
+        self._head = b""  # the first bytes while they may be a byte-order mark; then False
         self.max_event_bytes = max_event_bytes
 
     def feed(self, data):
-        """Add ``data``; return the list of complete data payloads (bytes) now available.
+        """Add ``data``; return the list of complete events' payloads (bytes) now available:
+        ``message`` events' data, and ``error`` events' as :class:`ErrorEvent`.
 
-        Events with no ``data`` line (comments, keepalives, ``retry:``) yield nothing.
+        Events with no ``data`` line (comments, keepalives, ``retry:``) and events of any other
+        name yield nothing.
 
         :raises EventTooLarge: the unfinished event passed ``max_event_bytes``.
         """
+        if not data:
+            return []
+        if self._head is not False:
+            data = self._strip_bom(data)
+            if not data:
+                return []
         if self._after_cr and data[:1] == b"\n":
             data = data[1:]
         self._after_cr = data[-1:] == b"\r"
@@ -54,24 +78,56 @@ class EventSplitter:
         if end >= 0:
             head = bytes(self._buf[:end])
             del self._buf[:end + 2]
-            events = [p for p in map(_data_payload, head.split(b"\n\n")) if p is not None]
+            events = [p for p in map(_payload, head.split(b"\n\n")) if p is not None]
         if self.max_event_bytes is not None and len(self._buf) > self.max_event_bytes:
             raise EventTooLarge(f"The model backend sent an event longer than "
                                 f"{self.max_event_bytes} bytes.")
         return events
 
+    def _strip_bom(self, data):
+        """Return ``data`` without the stream's leading byte-order mark; hold the first bytes
+        back while they are still a beginning of one."""
+        data = self._head + data
+        if len(data) < len(BOM) and BOM.startswith(data):
+            self._head = data
+            return b""
+        self._head = False  # decided: the stream's start is behind
+        return data[len(BOM):] if data.startswith(BOM) else data
+
     @property
     def pending(self):
         """Bytes of an unfinished event (non-empty when a stream was cut mid-event)."""
-        return bytes(self._buf).strip()
+        return (bytes(self._head or b"") + bytes(self._buf)).strip()
 
 
-def _data_payload(event):
-    if event.startswith(b"data:") and b"\n" not in event:
+def unfinished_payload(pending):
+    """Return what the unfinished event ``pending`` (:attr:`EventSplitter.pending`) would carry
+    had its blank line come: a stream cut just before it may still have said ``[DONE]``."""
+    return _payload(pending.replace(b"\r\n", b"\n").replace(b"\r", b"\n"))
+
+
+def _payload(event):
+    """Return the payload of one event's lines (LF-separated, no blank line): the ``data`` of
+    a ``message`` event, an :class:`ErrorEvent` for an ``error`` event, else None."""
+    if event.startswith(b"data:") and b"\n" not in event:  # the common one-line event
         return event[6:] if event[5:6] == b" " else event[5:]
-    lines = [line[6:] if line[5:6] == b" " else line[5:]
-             for line in event.split(b"\n") if line.startswith(b"data:")]
-    return b"\n".join(lines) if lines else None
+    name, lines = b"", []
+    for line in event.split(b"\n"):
+        field, _, value = line.partition(b":")
+        if not field:
+            continue  # a comment (or nothing)
+        if value[:1] == b" ":
+            value = value[1:]
+        if field == b"data":
+            lines.append(value)
+        elif field == b"event":
+            name = value
+    if not lines:
+        return None
+    data = b"\n".join(lines)
+    if name in (b"", MESSAGE):
+        return data
+    return ErrorEvent(data) if name == ERROR else None
 
 
 def frame(payload):

@@ -30,12 +30,21 @@ def create_session(pool_size):
     return session
 
 
-def post(session, url, payload, timeouts_s):
+def auth_headers(backend):
+    """The headers that carry ``backend``'s API key (catalog ``api_key_env`` or
+    ``api_key_file``), for every request to it: ``Authorization: Bearer``, as OpenAI-compatible
+    servers read it (vLLM's and SGLang's ``--api-key``, llama.cpp's ``--api-key``); none when
+    it has no key."""
+    return {"Authorization": "Bearer " + backend.api_key} if backend.api_key else {}
+
+
+def post(session, url, payload, timeouts_s, api_key=None):
     """POST ``payload`` to ``url`` through the session's adapter and return the response once
     its status line is in (the body is not read).
 
     The request is prepared once per URL and copied (``Session.request`` would merge settings,
-    cookies, hooks and the environment again on every call); no redirects are followed.
+    cookies, hooks and the environment again on every call); no redirects are followed. The
+    backend's ``api_key`` goes on the copy, never on the shared template.
     """
     template = session.kiln_prepared.get(url)
     if template is None:
@@ -44,6 +53,8 @@ def post(session, url, payload, timeouts_s):
     prepared = template.copy()
     prepared.body = payload
     prepared.headers["Content-Length"] = str(len(payload))
+    if api_key:
+        prepared.headers["Authorization"] = "Bearer " + api_key
     return session.get_adapter(url).send(prepared, stream=True, timeout=timeouts_s)
 
 
@@ -69,7 +80,8 @@ def open_chat(session, backend, payload, timeouts_s, path=CHAT_PATH):
     :raises ServiceUnavailable: the backend is overloaded (429) (503).
     """
     try:
-        resp = post(session, backend.url.rstrip("/") + path, payload, timeouts_s)
+        resp = post(session, backend.url.rstrip("/") + path, payload, timeouts_s,
+                    backend.api_key)
     except requests.ConnectTimeout as err:
         raise UpstreamTimeout(f"The model backend did not accept the connection within "
                               f"{timeouts_s[0]:g} s (connect timeout).",
@@ -287,7 +299,8 @@ def count_tokens(session, backend, text, timeout_s=2.0):
     if not backend.tokenize_url:
         return None
     try:
-        resp = session.post(backend.tokenize_url, json={"input": text}, timeout=timeout_s)
+        resp = session.post(backend.tokenize_url, json={"input": text}, timeout=timeout_s,
+                            headers=auth_headers(backend))
         if resp.status_code == 200:
             data = resp.json()
             count = data.get("count") if isinstance(data, dict) else None

@@ -3,12 +3,12 @@ part: :mod:`gateway.api.models`).
 
 Each entry gives a public model id, limits, input modalities, capabilities, prices (USD per
 million tokens, kept as exact decimals), backends (base URL + upstream model name + weight +
-optional ``max_in_flight``), and how requests reach them: ``routing`` and ``timeouts``
-(docs/ROUTING.md).
+optional ``max_in_flight`` and API key), and how requests reach them: ``routing`` and
+``timeouts`` (docs/ROUTING.md).
 """
 import math
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from decimal import Decimal
 from functools import cached_property
 
@@ -52,6 +52,12 @@ class Backend:
     tokenize_url: str = None  # llama.cpp: ``POST {base}/extras/tokenize/count`` for exact counts
     server: str = "generic"   # the backend family (gateway.contract.families): what it reads
     max_in_flight: int = 0
+    # Its API key, for a model server that requires one (sent as ``Authorization: Bearer``):
+    # named by the environment variable or the file holding it, read once at load
+    # (:func:`load_catalog`); the key itself is in no repr, comparison or hash.
+    api_key_env: str = None
+    api_key_file: str = None
+    api_key: str = field(default=None, repr=False, compare=False)
 
 
 @dataclass(frozen=True)
@@ -128,10 +134,16 @@ class CatalogError(ValueError):
     """The catalog file is missing, malformed or inconsistent."""
 
 
-def load_catalog(path):
+def load_catalog(path, environ=None):
     """Read the catalog at ``path`` into ``{model id: ModelEntry}``.
 
-    :raises CatalogError: unreadable file, missing field, bad price or no backend.
+    :param environ: the environment backends' ``api_key_env`` variables are read from
+        (:func:`gateway.config.environment`); their ``api_key_file`` files are read then too.
+        None: no backend key is read or checked, for a caller that never calls a backend (the
+        body checker's child process, the sweeper).
+    :raises CatalogError: unreadable file, missing field, bad price, no backend, or a backend
+        key that cannot be read (a variable unset or empty, a file unreadable or empty, a key
+        that is not one line of visible ASCII); the message never holds a key.
     """
     try:
         with open(path, "rb") as fh:
@@ -141,6 +153,9 @@ def load_catalog(path):
     models = {}
     for raw in data.get("models", []):
         entry = _entry(raw)
+        if environ is not None:
+            entry = replace(entry, backends=tuple(_with_key(entry, b, environ)
+                                                  for b in entry.backends))
         if entry.id in models:
             raise CatalogError(f"catalog {path}: duplicate model id {entry.id!r}")
         models[entry.id] = entry
@@ -159,6 +174,9 @@ def _check_image_sources(entry):
 
 
 def _entry(raw):
+    if any(isinstance(b, dict) and "api_key" in b for b in raw.get("backends") or ()):
+        raise CatalogError(f"catalog entry {raw.get('id', '?')!r}: a backend's key is not "
+                           f"written in the catalog; name it with api_key_env or api_key_file")
     endpoints = _endpoints(raw)
     try:
         backends = tuple(Backend(**b) for b in raw["backends"])
@@ -244,6 +262,39 @@ def _timeouts(raw):
     return values
 
 
+def _with_key(entry, backend, environ):
+    """Return ``backend`` with its API key read: from the variable ``api_key_env`` names in
+    ``environ``, or from the file ``api_key_file`` names (its text, surrounding whitespace such
+    as a final newline left out); ``backend`` itself when it names neither."""
+    where = f"catalog entry {entry.id!r}: backend {backend.url}"
+    name, path = backend.api_key_env, backend.api_key_file
+    if name is None and path is None:
+        return backend
+    if name is not None:
+        key = environ.get(name) or ""
+        if not key.strip():
+            raise CatalogError(f"{where}: api_key_env {name} is not set, or empty")
+    else:
+        try:
+            with open(path, "rb") as fh:
+                key = fh.read(_MAX_KEY_BYTES + 1).decode("ascii")
+        except (OSError, UnicodeDecodeError) as err:
+            reason = err.strerror if isinstance(err, OSError) else "not ASCII text"
+            raise CatalogError(f"{where}: api_key_file {path} cannot be read ({reason})") \
+                from None
+        if not key.strip():
+            raise CatalogError(f"{where}: api_key_file {path} is empty")
+    key = key.strip()
+    if len(key) > _MAX_KEY_BYTES or not all("!" <= c <= "~" for c in key):
+        source = f"api_key_env {name}" if name is not None else f"api_key_file {path}"
+        raise CatalogError(f"{where}: the API key of {source} must be one line of visible "
+                           f"ASCII characters, at most {_MAX_KEY_BYTES}")
+    return replace(backend, api_key=key)
+
+
+_MAX_KEY_BYTES = 4096  # a longer "key" is a wrong file
+
+
 def _check_fleet(entry):
     """Check the backends and how they are reached: known family, whole non-negative weight
     and cap, a known routing policy."""
@@ -264,3 +315,16 @@ def _check_fleet(entry):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise CatalogError(f"catalog entry {entry.id!r}: backend {backend.url}: {name} "
                                    f"must be a whole number, 0 or more")
+        _check_key_source(entry, backend)
+
+
+def _check_key_source(entry, backend):
+    """A backend names its key's variable or its file (non-empty text), not both."""
+    where = f"catalog entry {entry.id!r}: backend {backend.url}"
+    name, path = backend.api_key_env, backend.api_key_file
+    if name is not None and path is not None:
+        raise CatalogError(f"{where}: api_key_env and api_key_file both given; name one")
+    if name is not None and (not isinstance(name, str) or not name or "=" in name):
+        raise CatalogError(f"{where}: api_key_env must name an environment variable")
+    if path is not None and (not isinstance(path, str) or not path):
+        raise CatalogError(f"{where}: api_key_file must name a file")

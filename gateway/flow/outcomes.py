@@ -12,7 +12,7 @@ from ..endings import (CLIENT_CLOSED, IDLE_TIMEOUT, INTERNAL_ERROR, LEASE_EXPIRE
 from ..errors import (GatewayError, InternalError, ServiceUnavailable, ShuttingDown,
                       UpstreamError, UpstreamRejected, UpstreamTimeout)
 from ..backends.relay import ClientGone, StreamFailed
-from ..backends.sse import DONE
+from ..backends.sse import DONE, unfinished_payload
 
 log = logging.getLogger("kiln.requests")
 
@@ -80,12 +80,14 @@ def _internal(exc):
 
 def check_complete(rules, unfinished):
     """Raise :class:`StreamFailed` unless the backend's stream ended as a complete one: its
-    ``[DONE]``, a finish reason, or Kiln's cut at the budget."""
+    ``[DONE]`` (also as its last event, without the blank line after it, however it is
+    written), a finish reason, or Kiln's cut at the budget."""
     if rules.error is not None:
         message = rules.error.get("message") if isinstance(rules.error, dict) else None
         raise StreamFailed(f"The model backend failed mid-stream: {message}" if message
                            else "The model backend failed mid-stream.")
-    if rules.cut or rules.done or rules.finished or unfinished == b"data: " + DONE:
+    if rules.cut or rules.done or rules.finished or (
+            unfinished and unfinished_payload(unfinished) == DONE):
         return
     raise StreamFailed("The model backend ended the stream before it was complete.")
 

@@ -9,9 +9,88 @@ A stop cut or a dropped tool call re-serialises the chunk. What the client's dia
 the chunks is its codec's (:mod:`gateway.dialects`).
 """
 import json
+import re
 
-from ..backends.sse import DONE, dumps, without_member
+from ..backends.sse import DONE, ErrorEvent, dumps, without_member
 from .metering import EchoSkip
+
+
+class StopStrings:
+    """An Aho-Corasick automaton over a request's stop strings (A. V. Aho and M. J. Corasick,
+    "Efficient string matching", Communications of the ACM 18(6), 1975): text is read once,
+    character by character, whatever the number of stop strings and however it is cut.
+
+    A state is the longest end of the text read so far that begins some stop string; its depth
+    is that end's length (below the longest stop string's, or a stop string ended there). Each
+    character read costs one step, plus one per failure link followed, and a failure link
+    shortens the state: the steps of a read are at most twice its characters plus the depth it
+    started at (less than the longest stop string). At the root, characters that begin no stop
+    string are skipped by one regular-expression search, counted as examined all the same.
+
+    :attr:`examined`: the steps taken so far, characters skipped included (for the tests that
+    hold the bound, docs/RELIABILITY.md).
+    """
+
+    def __init__(self, stops):
+        self.stops = tuple(stops)
+        self.longest = max(map(len, self.stops), default=0)
+        self.examined = 0
+        goto, fail, self.depth, ends = [{}], [0], [0], [[]]
+        for order, stop in enumerate(self.stops):
+            state = 0
+            for ch in stop:
+                if ch not in goto[state]:
+                    goto[state][ch] = len(goto)
+                    goto.append({})
+                    fail.append(0)
+                    self.depth.append(self.depth[state] + 1)
+                    ends.append([])
+                state = goto[state][ch]
+            ends[state].append((order, stop))
+        queue = list(goto[0].values())
+        for state in queue:  # breadth first: a failure link points to a shallower state
+            for ch, child in goto[state].items():
+                link = fail[state]
+                while link and ch not in goto[link]:
+                    link = fail[link]
+                fail[child] = goto[link][ch] if state and ch in goto[link] else 0
+                ends[child] = ends[child] + ends[fail[child]]  # the stop strings ending here
+                queue.append(child)
+        self._goto, self._fail, self._ends = goto, fail, ends
+        self._first = re.compile("[" + "".join(re.escape(c) for c in goto[0]) + "]") \
+            if goto[0] else None
+
+    def search(self, text, state=0):
+        """Read ``text`` from ``state``; return ``(state after it, hit)``.
+
+        ``hit`` is ``(start, stop string)`` of the stop string that begins first (the earlier
+        listed of two at one place), ``start`` relative to ``text``: negative when it began in
+        what was read before (at most the depth of ``state`` back); or None. After a hit the
+        text is read only as far as a stop string that begins earlier could end.
+        """
+        goto, fail, ends, first = self._goto, self._fail, self._ends, self._first
+        best, limit, i, n = None, len(text), 0, len(text)
+        while i < limit:
+            if not state:
+                found = first.search(text, i, limit) if first else None
+                if found is None:
+                    self.examined += limit - i
+                    break
+                self.examined += found.start() - i
+                i = found.start()
+            ch = text[i]
+            while state and ch not in goto[state]:
+                state = fail[state]
+                self.examined += 1
+            state = goto[state].get(ch, 0)
+            self.examined += 1
+            for order, stop in ends[state]:
+                hit = (i + 1 - len(stop), order)
+                if best is None or hit < best:
+                    best = hit
+                    limit = min(n, best[0] + self.longest)
+            i += 1
+        return state, (None if best is None else (best[0], self.stops[best[1]]))
 
 
 class StopCutter:
@@ -19,47 +98,45 @@ class StopCutter:
 
     Model servers may generate past ``stop``; Kiln enforces it (README, "Request contract").
     Text that could be the start of a stop string is held back until the next delta decides.
+    Each choice keeps its place in :class:`StopStrings`, so a delta costs steps linear in its
+    length plus the longest stop string, however long the stream and however many near misses.
     """
 
     def __init__(self, stops):
         self.stops = stops
-        self._pending = {}
+        self.automaton = StopStrings(stops)
+        self._pending = {}  # choice index -> the text held back
+        self._state = {}    # choice index -> the automaton's state after it
         self.finished = set()
         self.matched = {}  # choice index -> the stop string that ended it
 
     def feed(self, index, text):
         """Return ``(text to emit, hit)`` for a content delta of choice ``index``."""
-        text = self._pending.pop(index, "") + text
-        cut, stop = first_stop(text, self.stops)
-        if cut >= 0:
+        held = self._pending.pop(index, "")
+        state, hit = self.automaton.search(text, self._state.pop(index, 0))
+        text = held + text
+        if hit is not None:
+            start, stop = hit
             self.finished.add(index)
             self.matched[index] = stop
-            return text[:cut], True
-        keep = self._held_suffix(text)
+            return text[:len(held) + start], True
+        keep = self.automaton.depth[state]
         if keep:
-            self._pending[index] = text[-keep:]
+            self._pending[index], self._state[index] = text[-keep:], state
             text = text[:-keep]
         return text, False
 
     def flush(self, index):
         """Return the text held back for choice ``index`` (its stream ended)."""
+        self._state.pop(index, None)
         return self._pending.pop(index, "")
-
-    def _held_suffix(self, text):
-        best = 0
-        for stop in self.stops:
-            for k in range(min(len(stop) - 1, len(text)), best, -1):
-                if text.endswith(stop[:k]):
-                    best = k
-                    break
-        return best
 
 
 def first_stop(text, stops):
-    """Return ``(position, stop string)`` of the first stop string in ``text``, or ``(-1,
-    None)``."""
-    found = [(p, s) for p, s in ((text.find(s), s) for s in stops) if p >= 0]
-    return min(found, key=lambda hit: hit[0]) if found else (-1, None)
+    """Return ``(position, stop string)`` of the first stop string in ``text`` (the earlier
+    listed of two at one position), or ``(-1, None)``; in one pass over ``text``."""
+    _, hit = StopStrings(stops).search(text)
+    return hit if hit is not None else (-1, None)
 
 
 def cut_at_stop(text, stops):
@@ -115,9 +192,14 @@ class StreamRules:
         """Return ``(payload to relay, its object)`` for a backend data ``payload`` (bytes), or
         None to relay nothing. The returned payload is the backend's bytes when Kiln changed
         nothing."""
+        if isinstance(payload, ErrorEvent):
+            self._backend_error(_error_event(payload))
+            return None
         if payload == DONE:
             self.done = True
             return None
+        if not payload.strip(b" \t\n"):
+            return None  # an empty message event (a bare ``data`` line) carries no chunk
         try:
             obj = json.loads(payload)
         except ValueError:
@@ -127,18 +209,26 @@ class StreamRules:
             return None
         if ("error" in obj or obj.get("object") == "error") and not obj.get("choices"):
             # {"error": {...}} (vLLM, SGLang, llama.cpp) or a bare {"object": "error", ...}
-            self.error = obj.get("error") or obj
-            if self.chunk_id is None and not self.meter.deltas:
-                # Its first event, before any token: the backend refused the request
-                # (docs/METERING.md): nothing is billed.
-                self.meter.refused = True
+            self._backend_error(obj.get("error") or obj)
             return None
+        if b"\n" in payload:
+            # Several data lines joined (WHATWG HTML, "Server-sent events"): the client gets
+            # one data line. A JSON text has no raw newline inside a string, so each one is
+            # whitespace between tokens; a space keeps every other byte.
+            payload = payload.replace(b"\n", b" ")
         if self.chunk_id is None:
             self.chunk_id, self.created, self.model = (obj.get("id"), obj.get("created"),
                                                        obj.get("model"))
         if not self.meter.admit_chunk(obj):
             return None  # past the budget: the caller ends the stream
         return self._apply(obj, payload)
+
+    def _backend_error(self, error):
+        self.error = error
+        if self.chunk_id is None and not self.meter.deltas:
+            # Its first event, before any token: the backend refused the request
+            # (docs/METERING.md): nothing is billed.
+            self.meter.refused = True
 
     def _apply(self, obj, payload):
         choices = obj.get("choices")
@@ -228,6 +318,20 @@ class StreamRules:
             choice["text"] = echo + out
             return True
         return False
+
+
+def _error_event(payload):
+    """The error an ``event: error`` carries: its JSON's ``error`` object or the object itself
+    (the Responses API's ``{"type": "error", "message": ...}``); data that is not a JSON object
+    is not quoted."""
+    try:
+        obj = json.loads(payload)
+    except ValueError:
+        obj = None
+    if not isinstance(obj, dict):
+        return {"message": "the model backend sent an error event"}
+    error = obj.get("error")
+    return error if isinstance(error, dict) else obj
 
 
 def _has_tool_calls(choices):

@@ -355,7 +355,7 @@ def sweep(ctx):
     """Close generations whose in-flight lease expired (their worker died), and delete stored
     responses past their retention."""
     ledger = Ledger(create_engine(ctx.config, ledger=True), ctx.config,
-                    load_catalog(ctx.config.models))
+                    load_catalog(ctx.config.models))  # no backend is called: no key read
     closed = ledger.sweep()
     purged = stored_responses.sweep_expired(ctx.engine)  # past their retention
     click.echo(f"closed {closed}; stored responses past their retention deleted: {purged}")

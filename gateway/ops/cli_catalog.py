@@ -3,7 +3,7 @@ reload")."""
 import click
 
 from ..contract.catalog import CatalogError, load_catalog
-from ..config import Config
+from ..config import Config, environment
 
 
 @click.group()
@@ -19,7 +19,7 @@ def catalog_check(path):
     if path is None:
         path = Config.from_mapping().models
     try:
-        models = load_catalog(path)
+        models = load_catalog(path, environment())  # the backends' keys can be read too
     except CatalogError as err:
         raise click.ClickException(str(err)) from err
     for entry in models.values():

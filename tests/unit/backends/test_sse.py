@@ -1,16 +1,20 @@
 """SSE framing and the stream rules Kiln owns, as plain functions (no HTTP): events split at any
-byte, CR/CRLF framing, comment/``event:``/``retry:`` lines, usage stripping and pricing in place,
-running totals, stop strings and the single-tool-call rule."""
+byte, CR/CRLF framing, a leading byte-order mark, comment/``event:``/``id:``/``retry:`` lines and
+event names (WHATWG HTML, "Server-sent events"), usage stripping and pricing in place, running
+totals, stop strings and the single-tool-call rule."""
 import json
 from decimal import Decimal
 from types import SimpleNamespace
 
 import pytest
 
-from gateway.backends.sse import DONE, EventSplitter, frame, member_span, with_cost, without_member
+from gateway.backends.sse import (BOM, DONE, ErrorEvent, EventSplitter, frame, member_span,
+                                  with_cost, without_member)
 from gateway.billing import Usage
+from gateway.backends.relay import StreamFailed
 from gateway.dialects.chat import ChatStream
 from gateway.flow.metering import Meter
+from gateway.flow.outcomes import check_complete
 from gateway.flow.rules import StreamRules
 
 pytestmark = pytest.mark.unit
@@ -88,6 +92,55 @@ def test_comments_event_id_retry_lines_are_dropped():
 def test_multi_line_data_is_joined_with_newlines():
     events, _ = feed_pieces([b"data: {\"a\":\ndata: 1}\n\n"])
     assert events == [b'{"a":\n1}']
+
+
+@pytest.mark.parametrize("cut", range(0, 5))
+def test_a_leading_byte_order_mark_is_dropped_wherever_the_reads_split_it(cut):
+    stream = BOM + b"data: {\"a\":1}\n\n"
+    events, splitter = feed_pieces([stream[:cut], stream[cut:]] if cut else [stream])
+    assert events == [b'{"a":1}'] and splitter.pending == b""
+    bytewise, _ = feed_pieces([stream[i:i + 1] for i in range(len(stream))])
+    assert bytewise == [b'{"a":1}']
+
+
+def test_only_the_streams_first_byte_order_mark_is_dropped():
+    """A second mark is the first line's field name (``\ufeffdata``, unknown: dropped); one
+    after the start is the next line's; a stream's first bytes that only begin like one are
+    its own."""
+    events, _ = feed_pieces([BOM + BOM + b"data: 1\n\ndata: 2\n\n" + BOM + b"data: 3\n\n"])
+    assert events == [b"2"]
+    events, _ = feed_pieces([b"\xef", b"\xbbdata: 1\n\n"])
+    assert events == []  # the bytes were never a mark: a field named "\xef\xbbdata"
+    events, _ = feed_pieces([b"d", b"ata: 1\n\n"])
+    assert events == [b"1"]
+
+
+def test_only_message_events_are_chunks():
+    stream = (b"event: message\ndata: 1\n\nevent:\ndata: 2\n\nevent\ndata: 3\n\n"
+              b"event: ping\ndata: {}\n\nevent: response.output_text.delta\ndata: {}\n\n"
+              b"event: ping\nevent: message\ndata: 4\n\ndata: 5\nevent: Message\n\n")
+    events, _ = feed_pieces([stream])
+    assert events == [b"1", b"2", b"3", b"4"]  # the last event line names it; names are exact
+
+
+def test_an_error_event_is_returned_marked():
+    events, _ = feed_pieces([b"event: error\ndata: {\"message\":\"overloaded\"}\n\n"
+                            b"event: error\n\n"])  # no data: no event
+    assert events == [b'{"message":"overloaded"}'] and isinstance(events[0], ErrorEvent)
+
+
+def test_a_field_name_without_a_colon_has_an_empty_value():
+    events, _ = feed_pieces([b"data\n\ndata\ndata\n\ndata:x\nid\nretry\n\n"])
+    assert events == [b"", b"\n", b"x"]
+
+
+@pytest.mark.parametrize("tail", [b"data: [DONE]", b"data:[DONE]\r\n",
+                                  b"event: message\ndata: [DONE]"])
+def test_a_done_without_its_blank_line_ends_the_stream_complete(tail):
+    events, splitter = feed_pieces([b"data: {\"a\":1}\n\n" + tail])
+    check_complete(rules(), splitter.pending)  # raises if not complete
+    with pytest.raises(StreamFailed):
+        check_complete(rules(), b'data: {"tru')
 
 
 def test_unfinished_event_is_pending():
@@ -185,6 +238,37 @@ def test_error_frame_and_done_are_noted_not_relayed():
     bare = rules()
     assert bare.apply(b'{"object":"error","message":"bad","code":400}') is None
     assert bare.error["message"] == "bad"
+
+
+def test_an_error_event_is_the_backends_error():
+    """``event: error`` (its JSON's ``error``, or the object itself): the stream's error; as the
+    first event, before any token, a refusal (docs/METERING.md)."""
+    r = rules()
+    assert r.apply(ErrorEvent(b'{"error":{"message":"oom"}}')) is None
+    assert r.error == {"message": "oom"} and r.meter.refused
+    later = rules()
+    assert later.apply(CHUNK) is not None
+    assert later.apply(ErrorEvent(b'{"type":"error","message":"gone"}')) is None
+    assert later.error["message"] == "gone" and not later.meter.refused
+    text = rules()
+    assert text.apply(ErrorEvent(b"<html>bad gateway</html>")) is None
+    assert text.error == {"message": "the model backend sent an error event"}
+
+
+def test_an_empty_message_event_carries_nothing():
+    r = rules()
+    assert r.apply(b"") is None and r.apply(b"\n") is None and r.error is None
+
+
+def test_a_chunk_in_several_data_lines_reaches_the_client_as_one():
+    splitter = EventSplitter()
+    payloads = splitter.feed(b'data: {"id":"c1","choices":[{"index":0,\r\n'
+                             b'data: "delta":{"content":"a\\nb"}}]}\r\n\r\n')
+    r = rules()
+    out = r.apply(payloads[0])
+    assert out.count(b"data:") == 1 and out.endswith(b"\n\n") and b"\n" not in out[:-2]
+    assert json.loads(out[6:])["choices"][0]["delta"]["content"] == "a\nb"
+    assert out == b'data: {"id":"c1","choices":[{"index":0, "delta":{"content":"a\\nb"}}]}\n\n'
 
 
 def test_n_choices_are_all_relayed_and_metered():
