@@ -23,6 +23,7 @@ ERROR_CODES = {
     413: ["request_too_large"],
     429: ["rate_limit_exceeded"],
     500: ["internal_error"],
+    502: ["upstream_too_large"],
     503: ["maintenance", "no_backend_available", "backends_at_capacity", "service_unavailable",
           "database_unavailable", "database_busy"],
 }
@@ -39,7 +40,10 @@ ERROR_WHY = {
     429: "The organization has its limit of requests in flight, or the key its requests per "
          "minute. No rate-limit headers.",
     500: "Unexpected error inside Kiln.",
-    502: "The model backend returned an error or was unreachable. Plain-text body.",
+    502: "The model backend returned an error or was unreachable (plain-text body); or its "
+         "whole reply was larger than Kiln relays for the request (`upstream_too_large`, in "
+         "the error envelope; billed what was generated: docs/RELIABILITY.md, \"Big "
+         "answers\").",
     503: "Maintenance mode (with Retry-After), or no model backend available.",
 }
 
@@ -58,8 +62,10 @@ def error_responses(*statuses):
     out = {}
     for status in statuses:
         if status == 502:
-            out["502"] = {"description": ERROR_WHY[502],
-                          "content": {"text/plain": {"schema": {"type": "string"}}}}
+            out["502"] = {"description": ERROR_WHY[502], "content": {
+                "text/plain": {"schema": {"type": "string"}},
+                "application/json": {"schema": {"allOf": [ref("ErrorResponse"),
+                                                          _error_codes(502)]}}}}
             continue
         response = {"description": ERROR_WHY[status], "content": {"application/json": {
             "schema": {"allOf": [ref("ErrorResponse"), _error_codes(status)]}}}}
