@@ -13,10 +13,12 @@ replies of growing size, of two shapes:
   the most expensive per byte.
 
 For each, in a fresh process: the seconds to parse (Kiln's own parse), to count (the meter)
-and to write (the chat codec), the longest stall a greenlet ticking every millisecond saw
-meanwhile, the peak of memory traced while all three run (tracemalloc), and the growth of the
-process's resident size. Figures to bench/RESULTS.md, "Big answers"; the bound they support is
-docs/RELIABILITY.md's.
+and to write (the chat codec), each on its own; then the longest stall a greenlet ticking
+every millisecond saw while Kiln's own path for a whole reply ran
+(:func:`gateway.flow.answers.complete`, with the reply read already: parse, meter, rules,
+write, with the event loop's turns between them); the peak of memory traced while it ran
+(tracemalloc), and the growth of the process's resident size. Figures to bench/RESULTS.md,
+"Big answers"; the bound they support is docs/RELIABILITY.md's.
 
     .venv/bin/python bench/big_answers.py [--sizes 1,4,16,64] [--shapes text,logprobs]
 """
@@ -70,7 +72,7 @@ def measure(shape, size_mib):
 
     from gateway.billing import Usage
     from gateway.dialects.chat import ChatCodec
-    from gateway.flow.answers import _parse_completion
+    from gateway.flow.answers import _parse_completion, complete
     from gateway.flow.metering import Meter
 
     raw = reply(shape, size_mib * MiB)
@@ -85,30 +87,44 @@ def measure(shape, size_mib):
             gaps.append(now - last)
             last = now
 
-    def work():
+    def steps():
         t0 = time.perf_counter()
         completion = _parse_completion(raw)
         t1 = time.perf_counter()
         Meter(10 ** 9).observe_completion(completion)
         t2 = time.perf_counter()
-        body = ChatCodec().render_json(completion, Usage(prompt=10, completion=1),
-                                       Decimal("0.001"), SimpleNamespace())
+        ChatCodec().render_json(completion, Usage(prompt=10, completion=1), Decimal("0.001"),
+                                SimpleNamespace())
         t3 = time.perf_counter()
         del completion
         t4 = time.perf_counter()
-        return t1 - t0, t2 - t1, t3 - t2, t4 - t3, len(body)
+        return t1 - t0, t2 - t1, t3 - t2, t4 - t3
 
+    def kiln_path():
+        """gateway.flow.answers.complete over the reply, read already."""
+        meter = Meter(10 ** 9)
+        gen = SimpleNamespace(meter=meter, mark_first_token=lambda: None,
+                              final_usage=lambda: Usage(prompt=10, completion=1))
+        exchange = SimpleNamespace(reply_bytes=len(raw),
+                                   send_and_read=lambda parse: parse(raw))
+        request = SimpleNamespace(stop=(), single_tool_call=False)
+        path = complete(gen, exchange, request, ChatCodec())
+        next(path)  # the head
+        try:
+            next(path)
+        except StopIteration as end:
+            return len(end.value(Decimal("0.001")))
+
+    parse_s, meter_s, render_s, free_s = steps()
     tick = gevent.spawn(ticker)
     gevent.sleep(0.01)
     gaps.clear()
-    parse_s, meter_s, render_s, free_s, out_bytes = gevent.spawn(work).get()
+    out_bytes = gevent.spawn(kiln_path).get()
     gevent.sleep(0.01)
     tick.kill()
     rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     tracemalloc.start()
-    completion = _parse_completion(raw)
-    ChatCodec().render_json(completion, Usage(prompt=10, completion=1), Decimal("0.001"),
-                            SimpleNamespace())
+    kiln_path()
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     print(json.dumps({"shape": shape, "size_mib": size_mib, "reply_bytes": len(raw),

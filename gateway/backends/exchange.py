@@ -36,6 +36,7 @@ class Exchange:
         self.path = path
         self.max_reply_bytes = max_reply_bytes or services.config.max_reply_bytes
         self.oversized_bytes = None  # a reply over the bound: the bytes read of it
+        self.reply_bytes = 0         # the size of the whole reply read
         self._build_body, self._stream = build_body, stream
         self.watch = ClientWatch(sock) if stream else None
         self.call = self.pump = None
@@ -88,6 +89,7 @@ class Exchange:
             upstream.shutdown(resp)
             raise
         upstream.close(resp)
+        self.reply_bytes = len(raw)
         return raw
 
     # -- a stream ------------------------------------------------------------------------------

@@ -2,17 +2,22 @@
 too large to relay"; docs/RELIABILITY.md, "Big answers"), in process: the backend answered and
 generated, so the generation is billed Kiln's own counts (the prompt estimate, and at least one
 token per 64 bytes read, never above the cap it held for), and it ends as
-``upstream_error`` / 502 ``upstream_too_large``."""
+``upstream_error`` / 502 ``upstream_too_large``. A large reply under its bound gives the
+worker's other greenlets a turn between the steps that hold the event loop."""
 from types import SimpleNamespace
 
+import gevent
 import pytest
 
 from factories import model_entry
+from gateway.billing import Usage
+from gateway.dialects.chat import ChatCodec
 from gateway.contract.validation import validate_chat
 from gateway.endings import Status
 from gateway.errors import UpstreamTooLarge
+from gateway.flow.answers import LARGE_REPLY_BYTES, complete
 from gateway.flow.generation import Admission, Generation
-from gateway.flow.metering import MAX_TOKEN_BYTES, oversized_completion
+from gateway.flow.metering import MAX_TOKEN_BYTES, Meter, oversized_completion
 from gateway.flow.outcomes import outcome_for
 
 pytestmark = pytest.mark.unit
@@ -65,3 +70,25 @@ def test_it_ends_as_an_upstream_error_told_as_too_large():
     outcome = outcome_for(UpstreamTooLarge("too large", bytes_read=10))
     assert (outcome.status, outcome.http_status, outcome.code) == (
         Status.UPSTREAM_ERROR, 502, "upstream_too_large")
+
+
+# -- a large reply under its bound gives the event loop turns --------------------------------
+
+def run_complete(reply_bytes):
+    """Drive gateway.flow.answers.complete over a tiny completion said to be
+    ``reply_bytes`` long; return whether another greenlet ran before the head was yielded."""
+    ran = []
+    gevent.spawn(ran.append, True)
+    gen = SimpleNamespace(meter=Meter(100), mark_first_token=lambda: None,
+                          final_usage=lambda: Usage(prompt=1, completion=1))
+    exchange = SimpleNamespace(reply_bytes=reply_bytes,
+                               send_and_read=lambda parse: parse(b'{"choices": []}'))
+    path = complete(gen, exchange, SimpleNamespace(stop=(), single_tool_call=False),
+                    ChatCodec())
+    next(path)
+    return bool(ran)
+
+
+def test_a_large_reply_lets_the_worker_s_other_greenlets_run_between_its_steps():
+    assert run_complete(LARGE_REPLY_BYTES)
+    assert not run_complete(LARGE_REPLY_BYTES - 1)  # a small one costs no turn
