@@ -273,9 +273,10 @@ def estimate_completion(meter, count):
 
 def oversized_completion(bytes_read, cap):
     """Return the completion tokens billed for a whole reply too large to read
-    (docs/METERING.md, "A reply too large to relay"): at least one token per
-    :data:`MAX_TOKEN_BYTES` of the bytes read (the floor, applied to the reply's bytes), never
-    above ``cap``, the completion the hold covers and the backend was sent as its limit.
+    (docs/METERING.md, "A reply too large to relay"): one token per :data:`MAX_TOKEN_BYTES`
+    of the bytes read (the floor, applied to all of the reply read, its JSON included: it
+    errs upward), never above ``cap``, the completion the hold covers and the backend was
+    sent as its limit.
 
     A reply over its request's own bound (:mod:`gateway.contract.replies`) is always billed
     ``cap``: that bound allows more than :data:`MAX_TOKEN_BYTES` per token of the cap.
