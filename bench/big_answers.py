@@ -17,7 +17,7 @@ and to write (the chat codec), each on its own; then the longest stall a greenle
 every millisecond saw while Kiln's own path for a whole reply ran
 (:func:`gateway.flow.answers.complete`, with the reply read already: parse, meter, rules,
 write, with the event loop's turns between them); the peak of memory traced while it ran
-(tracemalloc), and the growth of the process's resident size. Figures to bench/RESULTS.md,
+(tracemalloc). Figures to bench/RESULTS.md,
 "Big answers"; the bound they support is docs/RELIABILITY.md's.
 
     .venv/bin/python bench/big_answers.py [--sizes 1,4,16,64] [--shapes text,logprobs]
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import subprocess
 import sys
 import time
@@ -76,7 +75,6 @@ def measure(shape, size_mib):
     from gateway.flow.metering import Meter
 
     raw = reply(shape, size_mib * MiB)
-    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     gaps = []
 
     def ticker():
@@ -122,7 +120,6 @@ def measure(shape, size_mib):
     out_bytes = gevent.spawn(kiln_path).get()
     gevent.sleep(0.01)
     tick.kill()
-    rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     tracemalloc.start()
     kiln_path()
     _, peak = tracemalloc.get_traced_memory()
@@ -130,7 +127,7 @@ def measure(shape, size_mib):
     print(json.dumps({"shape": shape, "size_mib": size_mib, "reply_bytes": len(raw),
                       "parse_s": parse_s, "meter_s": meter_s, "render_s": render_s,
                       "free_s": free_s, "stall_ms": max(gaps) * 1000,
-                      "traced_peak_mib": peak / MiB, "rss_growth_mib": (rss1 - rss0) / 1024,
+                      "traced_peak_mib": peak / MiB,
                       "out_bytes": out_bytes}))
 
 
@@ -143,8 +140,8 @@ def main():
     if args.one:
         measure(args.one[0], int(args.one[1]))
         return
-    print("| shape | reply | parse | meter | write | longest stall | traced peak | RSS growth |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| shape | reply | parse | meter | write | longest stall | traced peak |")
+    print("|---|---|---|---|---|---|---|")
     for shape in args.shapes.split(","):
         for size in (int(s) for s in args.sizes.split(",")):
             out = subprocess.run([sys.executable, __file__, "--one", shape, str(size)],
@@ -152,8 +149,7 @@ def main():
             r = json.loads(out.strip().splitlines()[-1])
             print(f"| {shape} | {r['reply_bytes'] / MiB:.1f} MiB | {r['parse_s'] * 1000:.0f} ms "
                   f"| {r['meter_s'] * 1000:.0f} ms | {r['render_s'] * 1000:.0f} ms "
-                  f"| {r['stall_ms']:.0f} ms | {r['traced_peak_mib']:.0f} MiB "
-                  f"| {r['rss_growth_mib']:.0f} MiB |", flush=True)
+                  f"| {r['stall_ms']:.0f} ms | {r['traced_peak_mib']:.0f} MiB |", flush=True)
 
 
 if __name__ == "__main__":
