@@ -109,3 +109,11 @@ def test_the_error_is_told_in_the_envelope():
         resp = UpstreamTooLarge("too large", bytes_read=5).to_response()
     assert resp.status_code == 502 and resp.mimetype == "application/json"
     assert json.loads(resp.get_data())["error"]["code"] == "upstream_too_large"
+
+
+def test_the_api_document_lists_the_error_in_the_envelope():
+    from gateway.api.openapi import build_document
+    for path in ("/v1/chat/completions", "/v1/completions"):
+        doc = build_document(16 * 1024 * 1024)["paths"][path]["post"]["responses"]["502"]
+        assert set(doc["content"]) == {"text/plain", "application/json"}
+        assert "upstream_too_large" in doc["description"]
