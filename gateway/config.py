@@ -35,8 +35,10 @@ class Config:
     # Longest wait for a pooled database connection before a request is told 503 (and, one
     # second more, for its admission statement: a stalled database is a 503, not a hang).
     db_pool_timeout_s: float = 5.0
-    # Largest non-stream reply and largest single stream event read from a backend.
-    max_reply_bytes: int = 64 * 1024 * 1024
+    # Largest non-stream reply and largest single stream event read from a backend; a
+    # non-stream reply is also bounded by its request's own limits (docs/RELIABILITY.md,
+    # "Big answers": parsing and writing a reply holds the worker's event loop).
+    max_reply_bytes: int = 16 * 1024 * 1024
     max_event_bytes: int = 4 * 1024 * 1024
     # On graceful shutdown, the longest wait for queued settlements to commit.
     settle_drain_s: float = 30.0

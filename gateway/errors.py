@@ -125,6 +125,26 @@ class UpstreamTimeout(UpstreamError):
     code = "upstream_timeout"
 
 
+class UpstreamTooLarge(UpstreamError):
+    """The backend answered 2xx with a reply larger than Kiln's bound for the request
+    (docs/RELIABILITY.md, "Big answers"): 502 ``upstream_too_large`` in the error envelope.
+
+    Not a failed try: the backend answered and generated, so it is neither retried nor counted
+    against the backend's health, and what it generated is billed (docs/METERING.md).
+
+    :param bytes_read: the reply's bytes read before Kiln stopped (more than the bound).
+    """
+
+    code = "upstream_too_large"
+
+    def __init__(self, message, *, bytes_read, **kwargs):
+        super().__init__(message, **kwargs)
+        self.bytes_read = bytes_read
+
+    def to_response(self):
+        return GatewayError.to_response(self)  # a clear error, in the envelope
+
+
 class UpstreamRejected(InvalidRequest):
     """The model server answered 4xx; passed on as 400 in the envelope with its message."""
 

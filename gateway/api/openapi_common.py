@@ -39,7 +39,10 @@ ERROR_WHY = {
     429: "The organization has its limit of requests in flight, or the key its requests per "
          "minute. No rate-limit headers.",
     500: "Unexpected error inside Kiln.",
-    502: "The model backend returned an error or was unreachable. Plain-text body.",
+    502: "The model backend returned an error or was unreachable (plain-text body); or its "
+         "whole reply was larger than Kiln relays for the request (`upstream_too_large`, in "
+         "the error envelope; billed what was generated: docs/RELIABILITY.md, \"Big "
+         "answers\").",
     503: "Maintenance mode (with Retry-After), or no model backend available.",
 }
 
@@ -58,8 +61,11 @@ def error_responses(*statuses):
     out = {}
     for status in statuses:
         if status == 502:
-            out["502"] = {"description": ERROR_WHY[502],
-                          "content": {"text/plain": {"schema": {"type": "string"}}}}
+            out["502"] = {"description": ERROR_WHY[502], "content": {
+                "text/plain": {"schema": {"type": "string"}},
+                # upstream_too_large (chat, completions); every code where the dialect's
+                # blueprint writes all of its errors in the envelope
+                "application/json": {"schema": ref("ErrorResponse")}}}
             continue
         response = {"description": ERROR_WHY[status], "content": {"application/json": {
             "schema": {"allOf": [ref("ErrorResponse"), _error_codes(status)]}}}}

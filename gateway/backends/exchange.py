@@ -11,6 +11,7 @@ import time
 import gevent
 
 from . import upstream
+from ..errors import UpstreamTooLarge
 from .relay import ClientGone, ClientWatch, Pump, UpstreamCall, keepalives_until_answered
 
 
@@ -25,12 +26,17 @@ class Exchange:
     :param sock: the client's socket (``environ["gunicorn.socket"]``), or None.
     :param path: the endpoint under each backend's base URL (the request's: chat completions,
         ``/completions``, ``/embeddings``).
+    :param max_reply_bytes: the largest whole (non-stream) reply read for this request; None:
+        ``KILN_MAX_REPLY_BYTES`` (docs/RELIABILITY.md, "Big answers").
     """
 
     def __init__(self, services, route, timeouts, build_body, stream, sock,
-                 path=upstream.CHAT_PATH):
+                 path=upstream.CHAT_PATH, max_reply_bytes=None):
         self.services, self.route, self.timeouts = services, route, timeouts
         self.path = path
+        self.max_reply_bytes = max_reply_bytes or services.config.max_reply_bytes
+        self.oversized_bytes = None  # a reply over the bound: the bytes read of it
+        self.reply_bytes = 0         # the size of the whole reply read
         self._build_body, self._stream = build_body, stream
         self.watch = ClientWatch(sock) if stream else None
         self.call = self.pump = None
@@ -55,13 +61,19 @@ class Exchange:
         """Send the request from this greenlet and return ``parse(body)`` of the 2xx reply's whole
         body (non-stream); the answer is taken once it parses. A reply that breaks off (a reset,
         the idle timeout) is retried on another backend like a failure before its status line:
-        nothing of it reached the client, and it is not billed (docs/ROUTING.md).
+        nothing of it reached the client, and it is not billed (docs/ROUTING.md). A reply
+        larger than :attr:`max_reply_bytes` is taken (the backend generated it: it is billed,
+        :attr:`oversized_bytes` says how much was read) and not retried.
 
         :raises GatewayError: every try failed, or ``parse`` refused the reply.
+        :raises UpstreamTooLarge: the reply is over the bound.
         """
         sent = time.monotonic()
         try:
             raw = self.route.open(self._try_whole, self._first_timeouts())
+        except UpstreamTooLarge as err:
+            self.accepted, self.oversized_bytes = True, err.bytes_read
+            raise
         finally:
             self._observe_answer(sent)
         parsed = parse(raw)
@@ -72,11 +84,12 @@ class Exchange:
         resp = self._try(backend, timeouts_s)
         upstream.set_read_timeout(resp, self.timeouts.idle_s)
         try:
-            raw = upstream.read_whole(resp, self.services.config.max_reply_bytes)
+            raw = upstream.read_whole(resp, self.max_reply_bytes)
         except BaseException:
             upstream.shutdown(resp)
             raise
         upstream.close(resp)
+        self.reply_bytes = len(raw)
         return raw
 
     # -- a stream ------------------------------------------------------------------------------

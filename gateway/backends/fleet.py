@@ -8,7 +8,8 @@ and first-byte timeouts are cut to the time left), a jittered exponential wait b
 ("full jitter", AWS Architecture Blog, "Exponential Backoff And Jitter", 2015). Nothing was
 relayed by then, so nothing is billed twice: the usage event names every backend tried
 (``attempts``) and the one that answered (``backend``). A 4xx is the request's fault and goes
-to the client as it is.
+to the client as it is; a 2xx reply larger than Kiln relays is an answer, not a failure: never
+retried, never counted against the backend (docs/RELIABILITY.md, "Big answers").
 """
 import math
 import random
@@ -17,7 +18,8 @@ import time
 import gevent
 
 from .capacity import HostLoad, Slots, slot_dir
-from ..errors import ServiceUnavailable, UpstreamError, UpstreamRejected, UpstreamTimeout
+from ..errors import (ServiceUnavailable, UpstreamError, UpstreamRejected, UpstreamTimeout,
+                      UpstreamTooLarge)
 from .health import BackendStates, BreakerPolicy, note_failure
 from .routing import PREFIX_AFFINITY, prefix_key, rank
 from ..endings import CONNECT_TIMEOUT, UNREACHABLE
@@ -126,6 +128,12 @@ class Route:
                 resp = send(self.backend, tries)
             except UpstreamRejected:
                 self.states[self.backend].breaker.success()  # it answered: it is there
+                raise
+            except UpstreamTooLarge:
+                # It answered 2xx and generated: a reply too large to relay is no sign of a
+                # sick backend, and another backend would generate (and be paid for) it again.
+                self.states[self.backend].breaker.success()
+                self.answered = True
                 raise
             except (UpstreamError, ServiceUnavailable) as err:
                 self._failed(err, cut=tries != timeouts_s)

@@ -10,7 +10,8 @@ import urllib3
 from requests.adapters import HTTPAdapter
 
 from ..endings import CONNECT_TIMEOUT, FIRST_BYTE_TIMEOUT, IDLE_TIMEOUT, UNREACHABLE
-from ..errors import ServiceUnavailable, UpstreamError, UpstreamRejected, UpstreamTimeout
+from ..errors import (ServiceUnavailable, UpstreamError, UpstreamRejected, UpstreamTimeout,
+                      UpstreamTooLarge)
 
 CHAT_PATH = "/chat/completions"
 
@@ -139,8 +140,9 @@ def read_whole(resp, max_bytes):
     """Read a whole reply body, decoded (gzip, deflate), of at most ``max_bytes``.
 
     :raises UpstreamTimeout: no byte for the read timeout (502).
-    :raises UpstreamError: the backend reset or closed the connection mid-body, or sent more
-        than ``max_bytes`` (502).
+    :raises UpstreamError: the backend reset or closed the connection mid-body (502).
+    :raises UpstreamTooLarge: the backend sent more than ``max_bytes`` (502): its answer, too
+        large to relay, not a failure to answer (docs/RELIABILITY.md, "Big answers").
     """
     try:
         data = resp.raw.read(max_bytes + 1, decode_content=True)
@@ -150,7 +152,9 @@ def read_whole(resp, max_bytes):
     except (urllib3.exceptions.HTTPError, OSError) as err:
         raise UpstreamError("The model backend failed while sending its reply.") from err
     if len(data) > max_bytes:
-        raise UpstreamError(f"The model backend's reply is larger than {max_bytes} bytes.")
+        raise UpstreamTooLarge(f"The model backend's reply is larger than {max_bytes} bytes, "
+                               f"the most Kiln relays for this request.",
+                               bytes_read=len(data))
     return data
 
 

@@ -16,6 +16,7 @@ from ..billing import NANOS_PER_USD
 from .families import FAMILIES
 from .images import DEFAULT_SOURCES, SOURCES
 from .parameters import PARAMETERS
+from .replies import MAX_REPLY_TOKENS
 from ..backends.routing import LOAD_BOUND, POLICIES, WEIGHTED
 
 # The APIs a model may serve (its catalog ``endpoints``; chat alone by default). The Messages
@@ -101,6 +102,9 @@ class ModelEntry:
     embedding_max_inputs: int = MAX_EMBEDDING_INPUTS  # embeddings: inputs per request
     embedding_max_input_tokens: int = 0  # embeddings: tokens per input (0: the context window)
     dimensions: bool = False  # embeddings: the model reads ``dimensions`` (Matryoshka)
+    # Token entries one answer may carry: max_tokens × n × (1 + top_logprobs) (chat), max_tokens
+    # × best_of × prompts × (1 + logprobs) (completions); above it: 400 (contract/replies.py).
+    max_reply_tokens: int = MAX_REPLY_TOKENS
     _weights: tuple = field(default=(), repr=False)
 
     def timeouts_for(self, config):
@@ -185,7 +189,7 @@ def _entry(raw):
                                      "response_format", "stop", "created", "owned_by",
                                      "routing", "load_bound", "max_best_of",
                                      "embedding_max_inputs", "embedding_max_input_tokens",
-                                     "dimensions") if k in raw}
+                                     "dimensions", "max_reply_tokens") if k in raw}
         extra.update({k: tuple(raw[k]) for k in ("extra_params", "image_sources") if k in raw})
         extra["endpoints"] = endpoints
         # An embeddings-only model generates nothing: its max output may be left out (0).
@@ -243,7 +247,8 @@ def _pricing(prices, endpoints):
 def _check_endpoint_limits(entry):
     """The completions and embeddings bounds are whole numbers of at least 1 (the input token
     limit 0 means the context window), ``dimensions`` a boolean."""
-    for name in ("max_best_of", "embedding_max_inputs", "embedding_max_input_tokens"):
+    for name in ("max_best_of", "embedding_max_inputs", "embedding_max_input_tokens",
+                 "max_reply_tokens"):
         value = getattr(entry, name)
         low = 0 if name == "embedding_max_input_tokens" else 1
         if isinstance(value, bool) or not isinstance(value, int) or value < low:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from ..billing import TEMPLATE_TOKENS_PER_MESSAGE, TEMPLATE_TOKENS_PER_REQUEST
 from ..errors import InvalidRequest, UnknownParameter, UnsupportedParameter
-from . import parameters
+from . import parameters, replies
 from .catalog import COMPLETIONS, EMBEDDINGS
 from .families import family_of
 from .parameters import DROP, FORWARD, KILN, is_int
@@ -168,6 +168,20 @@ class CompletionRequest:
         return self.n * len(self.prompts)
 
     @property
+    def reply_bound(self):
+        """The most bytes a whole reply can take (docs/RELIABILITY.md, "Big answers"): every
+        candidate's text, an echoed prompt in each choice, and ``logprobs`` entries for all of
+        them; None with catalog-allowed extra parameters (``KILN_MAX_REPLY_BYTES`` alone)."""
+        if self.extras:
+            return None
+        tokens = self.completion_cap
+        if self.echo and not self.token_prompts:  # token prompts' echo is in the cap
+            tokens += self.n * self.prompt_bound
+        logprobs = self.params.get("logprobs")
+        return replies.reply_bytes(tokens, self.n_choices,
+                                   0 if logprobs is None else 1 + logprobs)
+
+    @property
     def prompt_bound(self):
         """The most prompt tokens: the body's bytes plus a request's special tokens per
         prompt, at most a context window per prompt."""
@@ -247,12 +261,25 @@ def validate_completion(body, catalog, body_bytes):
     best_of = _best_of(params.get("best_of"), n, entry, stream)
     if best_of == n:
         params.pop("best_of", None)  # the same as none: generated and returned alike
+    max_tokens = _completion_max_tokens(body.get("max_tokens"), entry, echo)
+    _reply_tokens(max_tokens, n, best_of, len(prompts), params.get("logprobs") or 0, entry)
     return CompletionRequest(
         entry=entry, prompts=prompts, token_prompts=tokens, params=params, stream=stream,
         include_usage=parameters._stream_options(body.get("stream_options"), stream),
         stop=parameters.stop_strings(params.get("stop")),
-        max_tokens=_completion_max_tokens(body.get("max_tokens"), entry, echo), n=n,
+        max_tokens=max_tokens, n=n,
         best_of=best_of, echo=echo, body_bytes=body_bytes, extras=extras)
+
+
+def _reply_tokens(max_tokens, n, best_of, prompts, logprobs, entry):
+    """Refuse an answer larger than the model allows: ``max_tokens × best_of × prompts × (1 +
+    logprobs)`` token entries, chat's bound (docs/RELIABILITY.md, "Big answers")."""
+    param = ("logprobs" if logprobs else "best_of" if best_of > n else "n" if n > 1
+             else "prompt" if prompts > 1 else "max_tokens")
+    replies.check_reply_tokens(
+        entry, max_tokens * best_of * prompts, logprobs, param,
+        f"max_tokens × best_of × prompts × (1 + logprobs) = {max_tokens} × {best_of} × "
+        f"{prompts} × {1 + logprobs}")
 
 
 def _completion_max_tokens(value, entry, echo):
@@ -326,6 +353,7 @@ class EmbeddingsRequest:
     response_headers: dict = field(default_factory=dict)
 
     completion_cap = 0       # nothing is generated: the hold is the input's bound alone
+    reply_bound = None       # KILN_MAX_REPLY_BYTES alone bounds a reply of vectors
 
     @property
     def prompt_bound(self):

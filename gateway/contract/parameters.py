@@ -10,7 +10,7 @@ fields its family reads, so no backend generates more than the customer pays for
 "What Kiln does beyond passing requests through").
 """
 from ..errors import InvalidRequest, UnknownParameter, UnsupportedParameter
-from . import tools
+from . import replies, tools
 from .families import family_of
 
 # Enumerated values as the current OpenAI chat API lists them (the openai SDK's
@@ -73,6 +73,7 @@ def check(body, entry):
     stream = _stream(body.get("stream"))
     cap = _max_tokens(body, entry)
     _min_tokens(params.get("min_tokens"), cap)
+    _reply_tokens(params, cap, entry)
     return {"params": params, "extras": extras, "stream": stream,
             "include_usage": _stream_options(body.get("stream_options"), stream),
             "stop": stop_strings(params.get("stop")),
@@ -319,6 +320,22 @@ def _max_tokens(body, entry):
                                  code="invalid_value")
         cap = min(cap, value)
     return cap
+
+
+def _reply_tokens(params, cap, entry):
+    """Refuse an answer larger than the model allows: ``n × max_tokens × (1 + top_logprobs)``
+    token entries (docs/RELIABILITY.md, "Big answers"). The field named is the one that
+    multiplies most: ``top_logprobs``, else ``n``, else ``max_tokens``."""
+    n, alternatives = params.get("n", 1), logprob_alternatives(params)
+    param = "top_logprobs" if alternatives else "n" if n > 1 else "max_tokens"
+    replies.check_reply_tokens(
+        entry, n * cap, alternatives, param,
+        f"n × max_tokens × (1 + top_logprobs) = {n} × {cap} × {1 + alternatives}")
+
+
+def logprob_alternatives(params):
+    """``top_logprobs`` asked for (0 without ``logprobs``)."""
+    return (params.get("top_logprobs") or 0) if params.get("logprobs") is True else 0
 
 
 def _min_tokens(value, cap):

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import gevent
 
-from . import images, parameters, tools
+from . import images, parameters, replies, tools
 from .catalog import CHAT, COMPLETIONS, EMBEDDINGS
 from ..errors import InvalidRequest, ModelNotFound, UnsupportedParameter, refuse_unknown_keys
 from ..billing import prompt_bound
@@ -117,6 +117,17 @@ class ChatRequest:
     def routing_messages(self):
         """The messages prefix-affinity routing keys on."""
         return self.messages
+
+    @property
+    def reply_bound(self):
+        """The most bytes a whole reply to this request can take (docs/RELIABILITY.md, "Big
+        answers"); None when catalog-allowed extra parameters may ask for more than Kiln can
+        size (``KILN_MAX_REPLY_BYTES`` alone bounds it then)."""
+        if self.extras:
+            return None
+        entries = (1 + parameters.logprob_alternatives(self.params)
+                   if self.params.get("logprobs") is True else 0)
+        return replies.reply_bytes(self.completion_cap, self.n, entries)
 
     def body_for(self, backend):
         """Return the body (dict) ``backend`` is sent

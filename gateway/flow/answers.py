@@ -12,12 +12,19 @@ import binascii
 import json
 from dataclasses import dataclass
 
+import gevent
+
 from ..backends.relay import relay_stream
 from ..errors import UpstreamError
 from .outcomes import check_complete
 from .rules import StreamRules, apply_to_completion
 
 STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+# A whole reply at least this large gives the worker's event loop a turn between the steps
+# that hold it (parsing, metering, writing): a real turn, a timer, so that other greenlets'
+# sockets are polled too (docs/RELIABILITY.md, "Big answers").
+LARGE_REPLY_BYTES = 1024 * 1024
+TURN_S = 0.0005
 
 
 @dataclass(frozen=True)
@@ -36,14 +43,23 @@ def complete(gen, exchange, request, codec):
     anyway, and it is billed), then write it in the codec's dialect with Kiln's usage and
     cost."""
     completion = exchange.send_and_read(_parse_completion)
+    large = exchange.reply_bytes >= LARGE_REPLY_BYTES
+    _turn(large)
     gen.meter.observe_completion(completion)
     gen.mark_first_token()
     usage = gen.final_usage()
     stops_hit = apply_to_completion(completion, request.stop, request.single_tool_call,
                                     getattr(request, "echoed", None))
+    _turn(large)
     yield Head(200, "application/json", {})
     return lambda charged_usd: codec.render_json(completion, usage, charged_usd, request,
                                                  stops_hit)
+
+
+def _turn(large):
+    """Let the worker's other greenlets run after a step over a large reply."""
+    if large:
+        gevent.sleep(TURN_S)
 
 
 def _parse_completion(raw):

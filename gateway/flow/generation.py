@@ -18,7 +18,7 @@ from ..endings import Status
 from ..ledger import AdmissionRequest, Settlement
 from ..contract.validation import CHAT_ANSWER, EMBEDDINGS_ANSWER
 from .metering import (Meter, estimate_completion, estimate_prompt, estimate_text_prompt,
-                       reconcile_embeddings_usage, reconcile_usage)
+                       oversized_completion, reconcile_embeddings_usage, reconcile_usage)
 from .outcomes import LeaseLost
 
 log = logging.getLogger("kiln.requests")
@@ -95,10 +95,16 @@ class Generation:
     def final_usage(self):
         """Return the usage to bill (computed once): nothing if the backend's answer was never
         taken or its stream began with an error (a refusal), else its report with Kiln's own
-        counts where it is missing or malformed."""
+        counts where it is missing or malformed; Kiln's own counts alone for a reply too large
+        to read (docs/METERING.md)."""
         if self.usage is None:
             if not self.exchange.accepted or self.meter.refused:
                 self.usage = Usage()
+            elif self.exchange.oversized_bytes is not None:
+                self.usage = Usage(prompt=self._own_prompt(), estimated=True,
+                                   completion=oversized_completion(
+                                       self.exchange.oversized_bytes,
+                                       self.request.completion_cap))
             elif self.request.kind == EMBEDDINGS_ANSWER:
                 self.usage = reconcile_embeddings_usage(self.meter.reported, self._own_prompt)
             else:

@@ -70,7 +70,7 @@ def respond(services, principal, request, codec, environ, on_answer=None):
     sock = environ.get("gunicorn.socket")
     exchange = Exchange(services, route, request.entry.timeouts_for(services.config),
                         lambda backend: encode_body(request.body_for(backend)),
-                        request.stream, sock, request.path)
+                        request.stream, sock, request.path, _reply_bound(services, request))
     gen = Generation(services, principal, request, admission, exchange,
                      environ.get("kiln.client_addr"))
     if request.stream:
@@ -92,6 +92,15 @@ def respond(services, principal, request, codec, environ, on_answer=None):
     body = guard_writes(life, sock, exchange.timeouts.idle_s)
     return Response(body, status=head.status, content_type=head.content_type,
                     headers={**headers, **head.headers})
+
+
+def _reply_bound(services, request):
+    """The most bytes of a whole reply read for ``request``: its own bound (what a backend
+    that keeps to the request can send), never above ``KILN_MAX_REPLY_BYTES``
+    (docs/RELIABILITY.md, "Big answers")."""
+    ceiling = services.config.max_reply_bytes
+    own = getattr(request, "reply_bound", None)
+    return ceiling if own is None else min(own, ceiling)
 
 
 def _life(gen, exchange, path, renderer, on_answer=None):

@@ -271,6 +271,21 @@ def estimate_completion(meter, count):
     return max(counted, meter.generated)
 
 
+def oversized_completion(bytes_read, cap):
+    """Return the completion tokens billed for a whole reply too large to read
+    (docs/METERING.md, "A reply too large to relay"): one token per :data:`MAX_TOKEN_BYTES`
+    of the bytes read (the floor, applied to all of the reply read, its JSON included: it
+    errs upward), never above ``cap``, the completion the hold covers and the backend was
+    sent as its limit.
+
+    A reply over its request's own bound (:mod:`gateway.contract.replies`) is always billed
+    ``cap``: that bound allows more than :data:`MAX_TOKEN_BYTES` per token of the cap.
+    """
+    if cap <= 0:
+        return 0
+    return min(cap, max(1, math.ceil(bytes_read / MAX_TOKEN_BYTES)))
+
+
 def reconcile_usage(reported, meter, own_prompt, own_completion):
     """Return the :class:`Usage` to bill from a backend's ``usage`` object and Kiln's counts.
 

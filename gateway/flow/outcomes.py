@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from ..endings import (CLIENT_CLOSED, IDLE_TIMEOUT, INTERNAL_ERROR, LEASE_EXPIRED, SHUTTING_DOWN,
                        UPSTREAM_ERROR, UPSTREAM_REJECTED, UPSTREAM_TOO_LARGE, Status)
 from ..errors import (GatewayError, InternalError, ServiceUnavailable, ShuttingDown,
-                      UpstreamError, UpstreamRejected, UpstreamTimeout)
+                      UpstreamError, UpstreamRejected, UpstreamTimeout, UpstreamTooLarge)
 from ..backends.relay import ClientGone, StreamFailed
 from ..backends.sse import DONE, unfinished_payload
 
@@ -42,6 +42,9 @@ TABLE = (
     (UpstreamTimeout, Status.TIMEOUT, 502, None),  # its code names the timeout that fired
     (UpstreamRejected, Status.REJECTED, 400, UPSTREAM_REJECTED),
     (ServiceUnavailable, Status.UPSTREAM_ERROR, 503, None),
+    # A whole reply over its bound: the backend answered and generated (billed), Kiln could
+    # not relay it (docs/RELIABILITY.md, "Big answers").
+    (UpstreamTooLarge, Status.UPSTREAM_ERROR, 502, UPSTREAM_TOO_LARGE),
     (UpstreamError, Status.UPSTREAM_ERROR, 502, UPSTREAM_ERROR),
     (GatewayError, Status.ERROR, None, None),
     (BaseException, Status.ERROR, 500, INTERNAL_ERROR),

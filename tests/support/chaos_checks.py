@@ -43,7 +43,7 @@ SELECT o.id, o.name, o.in_flight_limit, b.in_flight, b.balance_nanos, b.held_nan
 LEASES_SQL = "SELECT generation_id, org_id, expires_at FROM in_flight ORDER BY generation_id"
 PENDING_SQL = ("SELECT id, org_id, started_at FROM usage_events WHERE status = 'pending' "
                "ORDER BY id")
-EVENTS_SQL = ("SELECT id, org_id, status, cost_nanos, hold_nanos, http_status, "
+EVENTS_SQL = ("SELECT id, org_id, status, cost_nanos, hold_nanos, http_status, error_code, "
               "prompt_tokens, completion_tokens FROM usage_events WHERE id = ANY(%s)")
 
 
@@ -168,7 +168,9 @@ def check_answers(observations, events, reached, violations):
                            f"{_where(o)}: HTTP {o.status} code={o.error_code}; the backend got "
                            f"the request, the answer names no generation", span=_span(o))
         row = events.get(o.gen_id) if o.gen_id else None
-        if o.status >= 400 and row is not None and row["cost_nanos"] != 0:
+        # A reply too large to relay is billed what was generated (docs/METERING.md).
+        if o.status >= 400 and row is not None and row["cost_nanos"] != 0 \
+                and row.get("error_code") != "upstream_too_large":
             violations.add("error_billed", f"{_where(o)}: HTTP {o.status}, event status="
                            f"{row['status']} cost_nanos={row['cost_nanos']}", span=_span(o))
 

@@ -100,6 +100,11 @@ REJECTED = [
         {"role": "assistant", "content": None, "tool_calls": [CALL, {"id": "x", "junk": 1}]})),
      400, "invalid_type", "messages[1].tool_calls[1].function"),
     ("unknown-parameter", chat_body(top_k=40), 400, "unknown_parameter", "top_k"),
+    # an answer larger than the model allows: n × max_tokens × (1 + top_logprobs) above
+    # max_reply_tokens (docs/RELIABILITY.md, "Big answers")
+    ("n-top_logprobs-too-large", chat_body(n=128, logprobs=True, top_logprobs=20,
+                                           max_tokens=1024), 400, "invalid_value",
+     "top_logprobs"),
     ("unknown-chat-template-kwargs", chat_body(chat_template_kwargs={"enable_thinking": False}),
      400, "unknown_parameter", "chat_template_kwargs"),
     ("stream_options-unknown", chat_body(stream=True, stream_options={

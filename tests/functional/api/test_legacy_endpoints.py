@@ -16,7 +16,7 @@ from factories import FAKE_EMBED_NANOS, fake_model_nanos, literal_cost_nanos
 from fake_upstream import (COMPLETIONS_PATH, EMBEDDINGS_PATH, Close, Send, Sleep, Status,
                            embeddings_list, json_reply, make_usage, sse, text_chunk,
                            text_completion)
-from gateway_proc import balance_nanos, metric, usage_event
+from gateway_proc import balance_nanos, metric, usage_event, wait_until
 
 
 def post(gateway, org, path, **body):
@@ -232,13 +232,33 @@ def test_embeddings_with_the_wrong_number_of_vectors_fail_unbilled(gateway, fake
     assert balance_nanos(engine, org.id) == before
 
 
-def test_a_huge_embeddings_reply_is_refused_unbilled(start_gateway, fake, org, engine):
+def test_a_huge_embeddings_reply_is_refused_and_billed_its_inputs(start_gateway, fake, org,
+                                                                   engine):
+    """docs/METERING.md: the backend embedded the inputs; the vectors were too large to
+    relay (502 ``upstream_too_large``), and the inputs are billed at Kiln's estimate."""
     gw = start_gateway(max_reply_bytes=4096)
     fake.enqueue(json_reply(embeddings_list(2, dims=2000)), EMBEDDINGS_PATH)
     before = balance_nanos(engine, org.id)
     r = post(gw, org, "/v1/embeddings", model="fake-embed", input=["a", "b"])
-    assert r.status_code == 502 and "larger than 4096 bytes" in r.text
-    assert usage_event(engine, r.headers["X-Neocloud-Generation-Id"])["cost_nanos"] == 0
+    assert r.status_code == 502 and "larger than 4096 bytes" in r.json()["error"]["message"]
+    event = usage_event(engine, r.headers["X-Neocloud-Generation-Id"])
+    assert event["error_code"] == "upstream_too_large" and event["completion_tokens"] == 0
+    assert event["prompt_tokens"] > 0 and event["cost_nanos"] > 0
+    wait_until(lambda: balance_nanos(engine, org.id)[0] == before[0] - event["cost_nanos"])
+
+
+def test_a_completions_answer_larger_than_the_model_allows_is_refused(gateway, fake, org,
+                                                                      engine):
+    """docs/RELIABILITY.md, "Big answers": max_tokens × best_of × prompts × (1 + logprobs)
+    above the model's max_reply_tokens is a 400 before admission, nothing sent or billed."""
+    before = balance_nanos(engine, org.id)
+    r = post(gateway, org, "/v1/completions", model="fake-model", prompt=["a"] * 10, n=128,
+             max_tokens=1024, logprobs=5)
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert (error["code"], error["param"]) == ("invalid_value", "logprobs")
+    assert "1024 × 128 × 10 × 6" in error["message"]
+    assert not [rec for rec in fake.requests if rec.path == COMPLETIONS_PATH]
     assert balance_nanos(engine, org.id) == before
 
 

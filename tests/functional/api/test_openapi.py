@@ -81,7 +81,8 @@ def test_paths_statuses_and_media_types(document):
                          "503"}
     assert set(chat["200"]["content"]) == {"application/json", "text/event-stream"}
     assert "X-Neocloud-Generation-Id" in chat["200"]["headers"]
-    assert set(chat["502"]["content"]) == {"text/plain"}
+    # plain text; upstream_too_large in the envelope (docs/RELIABILITY.md, "Big answers")
+    assert set(chat["502"]["content"]) == {"text/plain", "application/json"}
     assert "Retry-After" in chat["503"]["headers"]
     assert paths["/healthz"]["get"]["security"] == [] == paths["/readyz"]["get"]["security"]
 

@@ -63,7 +63,8 @@ def test_rejected_before_admission(client, gateway, fake, org, engine, body, sta
 STREAMED_REJECTIONS = ["messages-empty", "model-unknown", "image-text-model",
                        "max_tokens=1025", "tool_choice-required", "temperature=2.01",
                        "stop=['a', 'b', 'c', 'd', 'e']", "response_format-json_object-fake-model",
-                       "ignore_eos-gpt-oss", "include_usage-string"]
+                       "ignore_eos-gpt-oss", "include_usage-string",
+                       "n-top_logprobs-too-large"]
 
 
 @pytest.mark.parametrize("name", STREAMED_REJECTIONS)

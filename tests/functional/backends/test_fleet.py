@@ -159,6 +159,51 @@ def test_a_non_stream_reply_that_breaks_off_is_retried_elsewhere(start_gateway, 
     assert any(r.method == "POST" for r in broken.requests)
 
 
+def test_a_reply_over_the_bound_is_neither_retried_nor_held_against_its_backend(
+        start_gateway, trio, tmp_path, engine):
+    """Both backends answer 200 with a reply larger than Kiln reads for the request
+    (docs/RELIABILITY.md, "Big answers"): each request is tried once (another backend would
+    generate it again), gets 502 ``upstream_too_large`` in the error envelope and is billed
+    what was generated; no breaker opens, though one failure would open it."""
+    big = json.dumps({"id": "chatcmpl-big", "object": "chat.completion", "choices": [
+        {"index": 0, "message": {"role": "assistant", "content": "z" * 300_000},
+         "finish_reason": "stop"}]}).encode()
+    oversized = [Status(200, {"Content-Type": "application/json",
+                              "Content-Length": str(len(big))}, chunked=False), Send(big)]
+    for fake in trio[:2]:
+        fake.default = lambda record: default_script(record) if record.method == "GET" \
+            else oversized
+        fake.start()
+    catalog = write_fleet_catalog(tmp_path / "m.toml", [f.base_url for f in trio[:2]],
+                                  routing="weighted")
+    gw = start_gateway(workers=1, models=catalog, probe_interval_s=0, upstream_retries=2,
+                       breaker_failures=1)
+    org = make_org(engine, "fleet-too-large")
+    gids = []
+    for _ in range(16):  # weighted at random: each backend serves some (all but 2**-15)
+        r = requests.post(gw.base_url + CHAT, headers=org.headers, timeout=60,
+                          json={"model": "fleet-model", "messages": MESSAGES, "max_tokens": 50})
+        assert r.status_code == 502 and r.headers["Content-Type"] == "application/json"
+        error = r.json()["error"]
+        assert error["code"] == "upstream_too_large" and "larger than" in error["message"]
+        gids.append(r.headers["X-Neocloud-Generation-Id"])
+    events = [usage_event(engine, gid) for gid in gids]
+    assert all(len(json.loads(e["attempts"])) == 1 for e in events)  # never retried
+    assert sum(1 for f in trio[:2] for r in f.requests if r.method == "POST") == len(gids)
+    assert {(e["status"], e["error_code"], e["completion_tokens"], e["estimated"])
+            for e in events} == {("upstream_error", "upstream_too_large", 50, True)}
+    assert all(e["cost_nanos"] > 0 for e in events)  # billed: the backend generated
+    # Both stay in rotation: one failure would have taken the first out for its cool-down.
+    assert {e["backend"] for e in events} == {f.base_url for f in trio[:2]}
+    for fake in trio[:2]:
+        assert metric(gw.base_url, "kiln_backend_errors_total", backend=fake.base_url,
+                      kind="upstream_too_large") >= 1
+        assert not metric(gw.base_url, "kiln_backend_errors_total", backend=fake.base_url,
+                          kind="upstream_error")
+    total = sum(e["cost_nanos"] for e in events)
+    assert balance_nanos(engine, org.id) == (GRANT - total, 0, 0)
+
+
 def test_a_first_byte_timeout_is_a_plain_502_that_names_it(start_gateway, fake, tmp_path,
                                                            engine):
     catalog = write_fleet_catalog(tmp_path / "m.toml", [fake.base_url], timeouts="first_byte_s = 1")

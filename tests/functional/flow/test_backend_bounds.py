@@ -4,8 +4,9 @@ the backend error table), through gunicorn with the scripted fake upstream.
 A client that stops reading stops Kiln reading the backend (the fake's writes block) and is hung
 up on after the idle timeout, billed for what was generated; an event or a reply over its limit
 ends the request with a clear error; the event splitter is linear; a stream answered with
-something other than an event stream is the reference's 502, unbilled; gzip and deflate answers
-are decoded.
+something other than an event stream is the reference's 502, unbilled; a whole reply over its
+bound is 502 ``upstream_too_large``, billed what was generated; gzip and deflate answers are
+decoded.
 """
 import gzip
 import json
@@ -79,22 +80,45 @@ def test_an_event_longer_than_the_limit_ends_the_stream_with_an_error(start_gate
 
 
 @pytest.mark.parametrize("encoding", [None, "gzip"])
-def test_a_reply_larger_than_the_limit_is_502_and_unbilled(start_gateway, fake, org, engine,
-                                                           encoding):
-    gw = start_gateway(max_reply_bytes=100_000)
+def test_a_reply_larger_than_the_limit_is_502_and_billed_what_was_generated(
+        start_gateway, fake, org, engine, encoding):
+    """docs/RELIABILITY.md, "Big answers": the backend answered and generated, so the reply
+    is billed Kiln's own count (the prompt estimate, and a token per 64 bytes read, within
+    the cap held), and the client is told 502 ``upstream_too_large`` in the error envelope."""
+    gw = start_gateway(max_reply_bytes=20_000)
     reply = json.dumps(chat_completion("z" * 300_000)).encode()
     headers = {"Content-Type": "application/json"}
     if encoding:  # small on the wire, large once decoded
         reply, headers = gzip.compress(reply), {**headers, "Content-Encoding": encoding}
     fake.enqueue([Status(200, {**headers, "Content-Length": str(len(reply))}, chunked=False),
                   Send(reply)])
-    r = requests.post(chat_url(gw), json={"model": "fake-model", "messages": MESSAGES},
+    r = requests.post(chat_url(gw), json={"model": "fake-model", "messages": MESSAGES,
+                                          "max_tokens": 1024},
                       headers=org.headers, timeout=60)
-    assert r.status_code == 502 and r.headers["Content-Type"].startswith("text/plain")
-    assert "larger than 100000 bytes" in r.text
+    assert r.status_code == 502 and r.headers["Content-Type"] == "application/json"
+    error = r.json()["error"]
+    assert error["code"] == "upstream_too_large" and "larger than 20000 bytes" in error["message"]
     event = settled_event(engine, r.headers["X-Neocloud-Generation-Id"])
-    assert event["status"] == "upstream_error" and event["cost_nanos"] == 0
-    assert balance_nanos(engine, org.id) == (GRANT, 0, 0)
+    assert (event["status"], event["error_code"]) == ("upstream_error", "upstream_too_large")
+    assert event["completion_tokens"] == 313 and event["estimated"]  # ceil(20,001 / 64)
+    assert event["prompt_tokens"] > 0 and event["cost_nanos"] > 0
+    assert balance_nanos(engine, org.id) == (GRANT - event["cost_nanos"], 0, 0)
+    assert len([rec for rec in fake.requests if rec.method == "POST"]) == 1
+
+
+def test_a_reply_over_its_request_s_own_bound_is_billed_the_cap(start_gateway, fake, org,
+                                                                engine):
+    """A reply no backend keeping to ``max_tokens`` can send (over 384 bytes a token, plus
+    its envelope) is cut there, however high the setting, and billed the cap."""
+    gw = start_gateway()
+    reply = json.dumps(chat_completion("z" * 300_000)).encode()
+    fake.enqueue([Status(200, {"Content-Type": "application/json",
+                               "Content-Length": str(len(reply))}, chunked=False), Send(reply)])
+    r = requests.post(chat_url(gw), json={"model": "fake-model", "messages": MESSAGES,
+                                          "max_tokens": 10}, headers=org.headers, timeout=60)
+    assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_too_large"
+    event = settled_event(engine, r.headers["X-Neocloud-Generation-Id"])
+    assert event["completion_tokens"] == 10 and event["cost_nanos"] > 0
 
 
 def splitter_cpu_s(size, chunk=64, repeats=3):
