@@ -231,3 +231,10 @@ def test_every_layer_is_read():
     for name, targets in GRAPH.items():
         by_package[package_of(name)] += len(targets)
     assert all(by_package[p] > 0 for p in MAY_IMPORT if p != "dialects"), dict(by_package)
+
+
+def test_no_two_test_modules_share_a_name():
+    """pytest imports test modules by their base name (no packages under tests/): two modules
+    of one name stop the whole run at collection, though each directory alone passes."""
+    names = [p.name for p in (PACKAGE.parent / "tests").rglob("test_*.py")]
+    assert sorted({n for n in names if names.count(n) > 1}) == []
