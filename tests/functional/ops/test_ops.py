@@ -13,7 +13,7 @@ import pytest
 import requests
 import sqlalchemy as sa
 
-from factories import MESSAGES
+from factories import CATALOG, MESSAGES
 from gateway_proc import MAINTENANCE_POLL_S, ROOT, balance_nanos, free_port, wait_until
 
 pytestmark = pytest.mark.postgres
@@ -174,7 +174,7 @@ def test_healthz_and_readyz_with_the_database_up(gateway):
     assert health.status_code == 200 and health.json() == {"status": "ok"}
     ready = requests.get(gateway.base_url + "/readyz", timeout=10)
     assert ready.status_code == 200
-    assert ready.json() == {"status": "ok", "models": 3}
+    assert ready.json() == {"status": "ok", "models": CATALOG.count("[[models]]")}
 
 
 def test_readyz_is_503_when_the_database_is_unreachable(start_gateway):
