@@ -267,21 +267,23 @@ def _message(i, message, entry):
     if role == "assistant":
         return _assistant(message, where, entry)
     if role == "function":  # deprecated: a function's result, answered by name
-        _require_string(message.get("name"), f"{where}.name")
+        require_string(message.get("name"), f"{where}.name")
         if message.get("content") is not None:
-            _require_string(message.get("content"), f"{where}.content")
+            require_string(message.get("content"), f"{where}.content")
         return False
     if role == "tool":
-        _require_string(message.get("tool_call_id"), f"{where}.tool_call_id")
+        require_string(message.get("tool_call_id"), f"{where}.tool_call_id")
     return _content(message.get("content"), f"{where}.content", role, entry)
 
 
 def _optional_string(message, name, where):
     if message.get(name) is not None:
-        _require_string(message[name], f"{where}.{name}")
+        require_string(message[name], f"{where}.{name}")
 
 
-def _require_string(value, param):
+def require_string(value, param):
+    """Refuse a missing or non-string value of ``param`` (400 ``missing_required_parameter``,
+    ``invalid_type``)."""
     if value is None:
         raise InvalidRequest(f"Missing required parameter: '{param}'.", param=param,
                              code="missing_required_parameter")
@@ -293,7 +295,7 @@ def _require_string(value, param):
 def _content(content, param, role, entry):
     """Check a string or an array of content parts; return whether it holds an image."""
     if not isinstance(content, list):
-        _require_string(content, param)
+        require_string(content, param)
         return False
     if not content:
         raise InvalidRequest(f"Invalid '{param}': the array must contain at least one part.",
@@ -320,7 +322,7 @@ def _part(part, where, role, entry):
                                    f"{modality} input.", param=where)
     value = part.get(PART_FIELDS[kind])
     if kind in ("text", "refusal"):
-        _require_string(value, f"{where}.{kind}")
+        require_string(value, f"{where}.{kind}")
     elif kind == "image_url":
         images.check_image_url(value, f"{where}.image_url", entry.image_sources)
         if isinstance(value, dict):  # a bare URL string is accepted too

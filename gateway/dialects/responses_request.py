@@ -18,7 +18,7 @@ import secrets
 import time
 from dataclasses import dataclass, field
 
-from ..contract.validation import ChatRequest, validate_chat
+from ..contract.validation import ChatRequest, require_string, validate_chat
 from ..errors import InvalidRequest, UnknownParameter, UnsupportedParameter
 
 REWRITE, DROP, REFUSE = "rewritten", "dropped", "refused"
@@ -133,7 +133,7 @@ def parse(body, catalog, body_bytes, history=None, store_default=True):
     _dropped_fields(body)
     b = _Builder()
     if body.get("instructions") is not None:
-        _string(body["instructions"], "instructions")
+        require_string(body["instructions"], "instructions")
         b.add({"role": "developer", "content": body["instructions"]}, "instructions")
     for item in history or ():
         b.item(item, "previous_response_id", resolving=False)
@@ -165,7 +165,7 @@ def parse(body, catalog, body_bytes, history=None, store_default=True):
     _bool(store, "store")
     previous = body.get("previous_response_id")
     if previous is not None:
-        _string(previous, "previous_response_id")
+        require_string(previous, "previous_response_id")
     return ResponsesRequest(
         **vars(checked), response_id=new_id("resp_"), created_at=int(time.time()),
         echo=_echo(body, tools, choice), dropped_tools=dropped, input_items=b.stored,
@@ -269,7 +269,7 @@ class _Builder:
     def _call(self, item, where):
         _keys(item, CALL_KEYS, where)
         for name in ("call_id", "name", "arguments"):
-            _string(item.get(name), f"{where}.{name}")
+            require_string(item.get(name), f"{where}.{name}")
         call = {"id": item["call_id"], "type": "function",
                 "function": {"name": item["name"], "arguments": item["arguments"]}}
         if self._pending is None:
@@ -281,7 +281,7 @@ class _Builder:
 
     def _output(self, item, where):
         _keys(item, OUTPUT_KEYS, where)
-        _string(item.get("call_id"), f"{where}.call_id")
+        require_string(item.get("call_id"), f"{where}.call_id")
         output = item.get("output")
         if isinstance(output, str):
             content, parts = output, None
@@ -323,17 +323,17 @@ def _part(part, where, role):
                              f"{role} content.", param=f"{where}.type", code="invalid_value")
     _keys(part, PART_KEYS[kind], where)
     if kind in ("input_text", "output_text"):
-        _string(part.get("text"), f"{where}.text")
+        require_string(part.get("text"), f"{where}.text")
         return {"type": "text", "text": part["text"]}
     if kind == "refusal":
-        _string(part.get("refusal"), f"{where}.refusal")
+        require_string(part.get("refusal"), f"{where}.refusal")
         return {"type": "refusal", "refusal": part["refusal"]}
     if part.get("file_id") is not None:
         how = "the image as image_url" if kind == "input_image" else "the file as file_data"
         raise UnsupportedParameter(f"Invalid '{where}.file_id': Kiln has no Files API; send "
                                    f"{how} instead.", param=f"{where}.file_id")
     if kind == "input_image":
-        _string(part.get("image_url"), f"{where}.image_url")
+        require_string(part.get("image_url"), f"{where}.image_url")
         detail = part.get("detail", "auto")
         if detail not in IMAGE_DETAILS:
             raise InvalidRequest(f"Invalid '{where}.detail': expected one of "
@@ -343,7 +343,7 @@ def _part(part, where, role):
     if part.get("file_url") is not None:
         raise UnsupportedParameter(f"Invalid '{where}.file_url': send the file as file_data.",
                                    param=f"{where}.file_url")
-    _string(part.get("file_data"), f"{where}.file_data")
+    require_string(part.get("file_data"), f"{where}.file_data")
     out = {"file_data": part["file_data"]}
     if part.get("filename") is not None:
         out["filename"] = part["filename"]
@@ -381,7 +381,7 @@ def _tools(tools, builder):
             function = {k: tool[k] for k in FUNCTION_SENT if tool.get(k) is not None}
             description = tool.get("description")
             if description is not None:
-                _string(description, f"tools[{i}].description")
+                require_string(description, f"tools[{i}].description")
             if not (description or "").strip() and isinstance(tool.get("name"), str):
                 # Optional in OpenAI's reference (the Agents SDK sends none for an undocumented
                 # function); the chat contract needs one, as model servers' templates render
@@ -409,7 +409,7 @@ def _tool_choice(choice, tools, sent):
     kind = choice["type"]
     if kind == "function":
         _keys(choice, ("type", "name"), "tool_choice")
-        _string(choice.get("name"), "tool_choice.name")
+        require_string(choice.get("name"), "tool_choice.name")
         return {"type": "function", "function": {"name": choice["name"]}}, None
     if kind == "allowed_tools":
         _keys(choice, ("type", "mode", "tools"), "tool_choice")
@@ -476,7 +476,7 @@ def _format(fmt):
     _keys(fmt, FORMAT_KEYS[kind], "text.format")
     if kind != "json_schema":
         return {"type": kind}
-    _string(fmt.get("name"), "text.format.name")
+    require_string(fmt.get("name"), "text.format.name")
     if not isinstance(fmt.get("schema"), dict):
         raise InvalidRequest("Invalid 'text.format.schema': expected a JSON Schema object.",
                              param="text.format.schema", code="invalid_type")
@@ -594,15 +594,6 @@ def _keys(obj, allowed, where):
     for key in obj:
         if key not in allowed:
             raise UnknownParameter(f"{where}.{str(key)[:100]}")
-
-
-def _string(value, param):
-    if value is None:
-        raise InvalidRequest(f"Missing required parameter: '{param}'.", param=param,
-                             code="missing_required_parameter")
-    if not isinstance(value, str):
-        raise InvalidRequest(f"Invalid '{param}': expected a string.", param=param,
-                             code="invalid_type")
 
 
 def _bool(value, param):
