@@ -7,46 +7,25 @@ from .config import Config, environment
 
 
 def create_app(config=None, environ=None):
-    """Build the WSGI app.
+    """Build the WSGI app: the composition root, the one place that imports every layer.
 
     :param config: a :class:`Config`, a mapping of Config field names, or None for the
         ``KILN_*`` environment.
     :param environ: where the catalog's backend keys (``api_key_env``) are read; None: the
         process environment.
     """
-    # The composition root: the one module that imports every layer.
-    from .api import account, activity, auth, body_process, chat, cors, intake, openapi
-    from .api import health as probes
-    from .api import legacy, messages, responses
-    from .api import models as model_list
-    from .backends import fleet, health, upstream
-    from .contract import catalog
-    from .background import Background
-    from .db import create_engine
+    from .api import body_process, cors, intake
+    from .backends import health
     from .dialects.responses import ResponsesCodec
     from .errors import register_error_handlers
-    from .flow.life import Services
-    from .ledger import Ledger, NullLedger
-    from .ops import lifecycle, metrics
+    from .ops import lifecycle
     if not isinstance(config, Config):
         config = Config.from_mapping(config)
     app = Flask(__name__)
     app.config["KILN"] = config
-    engine = create_engine(config)
-    models = catalog.load_catalog(config.models,
-                                  environment() if environ is None else environ)
-    gauges = metrics.Metrics()
-    states = fleet.prepare(models, config)
-    # Chosen once: the benchmarks' unmetered baseline has no ledger at all (KILN_METERING).
-    background = Background(lambda name: gauges.background_restarts.labels(name).inc())
-    ledger = Ledger(create_engine(config, ledger=True), config, models, gauges, background) \
-        if config.metering else NullLedger()
-    services = Services(config=config, engine=engine,
-                        session=upstream.create_session(config.upstream_pool_size),
-                        catalog=models, metrics=gauges, ledger=ledger, states=states,
-                        background=background)
+    services = _services(config, environment() if environ is None else environ)
     app.extensions.update({
-        "kiln": services, "kiln.engine": engine, "kiln.catalog": services.catalog,
+        "kiln": services, "kiln.engine": services.engine, "kiln.catalog": services.catalog,
         "kiln.metrics": services.metrics, "kiln.key_cache": {}, "kiln.maintenance": {},
         "kiln.unknown_keys": {}, "kiln.key_used": {},
         "kiln.responses_codec": ResponsesCodec(config.responses_store_default),
@@ -54,13 +33,7 @@ def create_app(config=None, environ=None):
         "kiln.body_process": body_process.BodyProcess(config.models, config.max_body_bytes),
     })
     register_error_handlers(app)
-    for blueprint in (auth.bp, chat.bp, messages.bp, responses.bp, legacy.bp, model_list.bp,
-                      account.bp, activity.bp):
-        app.register_blueprint(blueprint, url_prefix="/v1")
-    app.register_blueprint(probes.bp)
-    app.register_blueprint(openapi.bp)
-    app.register_blueprint(activity.page)
-    app.register_blueprint(metrics.bp)
+    _register_blueprints(app)
 
     @app.before_request
     def _start_background():
@@ -72,6 +45,39 @@ def create_app(config=None, environ=None):
     cors.init_app(app, config.cors_origins)
     logging.getLogger("kiln.requests").setLevel(logging.INFO)
     return app
+
+
+def _services(config, environ):
+    """The per-app collaborators (:class:`gateway.flow.life.Services`): the engine, the catalog
+    (backend keys read from ``environ``), the metrics, the backends' states, the ledger."""
+    from .background import Background
+    from .backends import fleet, upstream
+    from .contract import catalog
+    from .db import create_engine
+    from .flow.life import Services
+    from .ledger import Ledger, NullLedger
+    from .ops import metrics
+    models, gauges = catalog.load_catalog(config.models, environ), metrics.Metrics()
+    background = Background(lambda name: gauges.background_restarts.labels(name).inc())
+    # Chosen once: the benchmarks' unmetered baseline has no ledger at all (KILN_METERING).
+    ledger = Ledger(create_engine(config, ledger=True), config, models, gauges, background) \
+        if config.metering else NullLedger()
+    return Services(config=config, engine=create_engine(config),
+                    session=upstream.create_session(config.upstream_pool_size),
+                    catalog=models, metrics=gauges, ledger=ledger,
+                    states=fleet.prepare(models, config), background=background)
+
+
+def _register_blueprints(app):
+    from .api import account, activity, auth, chat, legacy, messages, openapi, responses
+    from .api import health as probes
+    from .api import models as model_list
+    from .ops import metrics
+    for blueprint in (auth.bp, chat.bp, messages.bp, responses.bp, legacy.bp, model_list.bp,
+                      account.bp, activity.bp):
+        app.register_blueprint(blueprint, url_prefix="/v1")
+    for blueprint in (probes.bp, openapi.bp, activity.page, metrics.bp):
+        app.register_blueprint(blueprint)
 
 
 def client_address(config, req):
