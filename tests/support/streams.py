@@ -109,8 +109,11 @@ class RawStream:
         return next(t for t, length in self.marks if length >= offset)
 
     def close(self):
+        """Hang up; return the monotonic time just before the socket closed (the fake upstream's
+        thread may record the model connection's close before this thread runs again)."""
+        closing_at = time.monotonic()
         self.sock.close()
-        return time.monotonic()
+        return closing_at
 
     @property
     def gid(self):
