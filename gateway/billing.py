@@ -107,6 +107,15 @@ def format_usd(nanos):
     return format(from_nanos(nanos).normalize(), "f")
 
 
+def format_dollars(nanos):
+    """Return nano-dollars as a customer reads them: the dollar sign, at least two decimal
+    places, every nano-dollar there is (``"$0.0000186"``, ``"$12.00"``, ``"-$0.50"``); never
+    the exponent form a Decimal of zero takes (``0E-9``)."""
+    text = format_usd(abs(int(nanos)))
+    whole, _, cents = text.partition(".")
+    return f"{'-' if nanos < 0 else ''}${whole}.{cents.ljust(2, '0')}"
+
+
 def hold_nanos(pricing, prompt_bound, completion_cap):
     """Return the hold in nano-dollars: the cost of the request's worst case.
 

@@ -75,6 +75,14 @@ def utcnow():
     return datetime.now(timezone.utc)
 
 
+def iso_utc(ts):
+    """Return a stored timestamp as ISO 8601 with its offset (None stays None); SQLite hands
+    timestamps back naive, and they are UTC."""
+    if ts is None:
+        return None
+    return (ts if ts.tzinfo else ts.replace(tzinfo=timezone.utc)).isoformat()
+
+
 def is_postgres(engine):
     """Tell whether ``engine`` talks to Postgres."""
     return engine.dialect.name == "postgresql"

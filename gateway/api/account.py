@@ -12,7 +12,7 @@ from flask import Blueprint, current_app, g, jsonify, request
 
 from .auth import require_key
 from ..billing import from_nanos
-from ..db import storable_text
+from ..db import iso_utc, storable_text
 from ..errors import InvalidRequest, NotFound
 from ..ledger.operator import org_credits
 from ..models import usage_events
@@ -79,8 +79,8 @@ def generation_view(row):
     ``cost_usd`` and ``hold_usd`` are exact decimal strings; ``cost_usd`` is None while the
     event is ``pending`` (a cost, once shown, never changes: docs/METERING.md); ``estimated``
     marks token counts that Kiln counted itself (the backend sent no usage, or the client left);
-    times are ISO 8601 UTC, with ``ttft_ms`` and ``duration_ms`` derived from them (None while
-    unknown).
+    times are ISO 8601 with their offset (UTC), with ``ttft_ms`` and ``duration_ms`` derived
+    from them (None while unknown).
     """
     return {
         "id": row.id, "object": "generation", "model": row.model, "stream": row.stream,
@@ -92,8 +92,9 @@ def generation_view(row):
                      else format(from_nanos(row.cost_nanos), "f")),
         "hold_usd": format(from_nanos(row.hold_nanos), "f"), "error": row.error,
         "error_code": row.error_code, "anomaly": row.anomaly,
-        "created_at": _iso(row.started_at), "first_token_at": _iso(row.first_token_at),
-        "ended_at": _iso(row.ended_at), "ttft_ms": _ms_between(row.started_at, row.first_token_at),
+        "created_at": iso_utc(row.started_at), "first_token_at": iso_utc(row.first_token_at),
+        "ended_at": iso_utc(row.ended_at),
+        "ttft_ms": _ms_between(row.started_at, row.first_token_at),
         "duration_ms": _ms_between(row.started_at, row.ended_at),
     }
 
@@ -102,7 +103,3 @@ def _ms_between(start, end):
     if start is None or end is None:
         return None
     return round((end - start).total_seconds() * 1000, 1)
-
-
-def _iso(ts):
-    return ts.isoformat() if ts is not None else None

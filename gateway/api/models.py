@@ -1,5 +1,6 @@
-"""``GET /v1/models``: the public part of the model catalog (:mod:`gateway.contract.catalog`)."""
-from flask import Blueprint, current_app, jsonify
+"""``GET /v1/models``: the public part of the model catalog (:mod:`gateway.contract.catalog`)
+that the calling key may use."""
+from flask import Blueprint, current_app, g, jsonify
 
 from .auth import require_key
 
@@ -9,6 +10,9 @@ bp = Blueprint("models", __name__)
 @bp.get("/models")
 @require_key
 def list_models():
-    """List the public models of the catalog (OpenAI list shape)."""
+    """List the catalog's models the calling key may use (OpenAI list shape): all of them, or
+    those of the key's allow-list (``kiln key create --models``); a model it may not use is
+    refused at generation (403), so it is not offered here."""
     catalog = current_app.extensions["kiln.catalog"]
-    return jsonify({"object": "list", "data": [m.public() for m in catalog.values()]})
+    return jsonify({"object": "list", "data": [m.public() for m in catalog.values()
+                                               if g.principal.may_use(m.id)]})

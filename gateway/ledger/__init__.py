@@ -44,7 +44,7 @@ import psycopg
 import sqlalchemy as sa
 from gevent.event import Event
 
-from ..billing import MAX_TOKENS_COUNT, Usage, cost_nanos, format_usd
+from ..billing import MAX_TOKENS_COUNT, Usage, cost_nanos, format_dollars, to_nanos
 from ..db import is_postgres
 from ..errors import DatabaseBusy, DatabaseUnavailable, InsufficientCredits, RateLimited
 from ..endings import LEASE_EXPIRED, Status
@@ -351,10 +351,10 @@ def _rejection(reason, request, available, remaining, period):
                            "backoff.")
     if reason == "key_limit":
         return KeyLimitExceeded(
-            f"This API key's spend limit of {request.limit_usd} USD"
+            f"This API key's spend limit of {format_dollars(to_nanos(request.limit_usd))}"
             f"{_resets(request.limit_reset, period)} does not cover this request: "
-            f"{format_usd(max(remaining, 0))} USD left, but the request needs a hold of "
-            f"{format_usd(request.hold_nanos)} USD. Lower max_tokens, or raise the key's limit.")
+            f"{format_dollars(max(remaining, 0))} left, but the request needs a hold of "
+            f"{format_dollars(request.hold_nanos)}. Lower max_tokens, or raise the key's limit.")
     return insufficient_credits(available, request.hold_nanos)
 
 
@@ -380,8 +380,8 @@ def next_period(reset, start):
 def insufficient_credits(available_nanos, hold_nanos):
     """Return the 402 error: the available amount, the hold, and what to do."""
     return InsufficientCredits(
-        f"Insufficient credits: {format_usd(max(available_nanos, 0))} USD available (balance "
+        f"Insufficient credits: {format_dollars(max(available_nanos, 0))} available (balance "
         f"minus the holds of requests in flight), but this request needs a hold of "
-        f"{format_usd(hold_nanos)} USD, its worst-case cost at max_tokens. Lower max_tokens, "
+        f"{format_dollars(hold_nanos)}, its worst-case cost at max_tokens. Lower max_tokens, "
         f"or add credits.")
 

@@ -185,7 +185,7 @@ def key_create(ctx, org_ref, label, models, limit_text, reset, rpm, org_read):
     """Create a key for ORG_REF; the key is the last line of stdout (shown only this once)."""
     limit = None if limit_text is None else parse_limit_usd(limit_text, is_postgres(ctx.engine))
     org_id = find_org(ctx.engine, org_ref)
-    allowed = [m.strip() for m in models.split(",") if m.strip()] if models else None
+    allowed = allow_list(ctx, models)
     with ctx.engine.begin() as conn:
         secret = keys.create_key(conn, org_id, name=label, allowed_models=allowed,
                                  limit_usd=limit, limit_reset=None if reset == "never" else reset,
@@ -193,6 +193,20 @@ def key_create(ctx, org_ref, label, models, limit_text, reset, rpm, org_read):
     click.echo(f"# key prefix {secret[:keys.PREFIX_LEN]}; store the key now, it is not kept",
                err=True)
     click.echo(secret)
+
+
+def allow_list(ctx, models):
+    """Return the ``--models`` allow-list as ids (None: every model); an id that is not in the
+    catalog (``KILN_MODELS``) is refused, since no request could ever use it."""
+    if not models:
+        return None
+    allowed = [m.strip() for m in models.split(",") if m.strip()]
+    known = load_catalog(ctx.config.models)
+    unknown = sorted(set(allowed) - set(known))
+    if unknown:
+        raise click.BadParameter(f"not in the catalog: {', '.join(map(repr, unknown))} (its "
+                                 f"models: {', '.join(sorted(known))})", param_hint="--models")
+    return allowed
 
 
 @key.command("set")

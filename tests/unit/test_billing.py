@@ -3,7 +3,7 @@ from decimal import Decimal
 
 import pytest
 
-from gateway.billing import Usage, cost_usd, from_nanos, hold_nanos, to_nanos
+from gateway.billing import Usage, cost_usd, format_dollars, from_nanos, hold_nanos, to_nanos
 from gateway.flow.metering import Meter, estimate_completion, prompt_bound
 from factories import pricing
 from gateway.contract.catalog import Pricing
@@ -95,3 +95,11 @@ def test_without_a_tokenizer_the_estimate_is_the_bytes_capped_until_proven_past_
     past.observe_completion({"choices": [{"message": {"content": "x" * 400}}]})
     assert past.overran and estimate_completion(past, lambda _text: None) == 400
     assert estimate_completion(past, lambda _text: 90) == 90  # the tokenizer's count wins
+
+
+@pytest.mark.parametrize("nanos, text", [
+    (0, "$0.00"), (1, "$0.000000001"), (18_600, "$0.0000186"), (12 * 10**9, "$12.00"),
+    (10**7, "$0.01"), (-5 * 10**8, "-$0.50"), (1_234_567_890_123, "$1234.567890123"),
+])
+def test_dollars_as_a_customer_reads_them(nanos, text):
+    assert format_dollars(nanos) == text

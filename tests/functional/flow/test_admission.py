@@ -363,8 +363,8 @@ def test_holds_above_the_credits_are_all_402_and_never_overdraw(gateway, fake, e
     assert [r.status_code for r in responses] == [402] * 100
     error = responses[0].json()["error"]
     assert error["code"] == "insufficient_credits"
-    assert "0.01 USD available" in error["message"]
-    assert "0.020195 USD" in error["message"]
+    assert "$0.01 available" in error["message"]
+    assert "hold of $0.020195," in error["message"]
     assert "max_tokens" in error["message"]
     assert fake.requests == []
     assert seen and all(s == (10**7, 0, 0) for s in seen)

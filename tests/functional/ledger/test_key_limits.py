@@ -13,6 +13,7 @@ import sys
 import threading
 import uuid
 from datetime import datetime, timedelta, timezone
+from decimal import Decimal
 from pathlib import Path
 
 import pytest
@@ -108,7 +109,8 @@ def test_a_key_at_its_cap_by_holds_alone_refuses_the_next_request(gateway, fake,
         assert extra.status_code == 402 and error["code"] == "key_limit_exceeded"
         assert error["type"] == "insufficient_quota"
         resets = next_month(datetime.now(timezone.utc)).isoformat()
-        assert f"spend limit of {limit_nanos / 10**9:.9f} USD per UTC month" in error["message"]
+        dollars = str(Decimal(limit_nanos) / 10**9).rstrip("0")
+        assert f"spend limit of ${dollars} per UTC month" in error["message"]
         assert f"it resets at {resets}" in error["message"]
         assert len(fake.requests) == 3
     finally:
@@ -163,7 +165,7 @@ def ledger(pg_url):
 def admission(org, key_id, hold):
     return AdmissionRequest(gid="gen-" + uuid.uuid4().hex[:24], org_id=org.id, key_id=key_id,
                             model="fake-model", stream=False, hold_nanos=hold, in_flight_limit=8,
-                            lease_ttl_s=60, key_checks=True, limit_usd="0.000010000",
+                            lease_ttl_s=60, key_checks=True, limit_usd=Decimal("0.000010000"),
                             limit_reset="monthly")
 
 
@@ -195,7 +197,7 @@ def test_a_monthly_limit_spent_last_month_admits_again_this_month(ledger, engine
         ledger.admit(admission(org, key_id, 1))
     ledger.store.settle_batch([settlement(gid, org, key_id, 0)])
     assert f"it resets at {next_month(now).isoformat()}" in refused.value.message
-    assert ": 0 USD left, but the request needs a hold of 0.000000001 USD" in \
+    assert ": $0.00 left, but the request needs a hold of $0.000000001" in \
         refused.value.message
 
 

@@ -263,3 +263,19 @@ def catalog(directory):
     path = Path(directory) / "models.toml"
     path.write_text(CATALOG.format(url=UNREACHABLE_BACKEND))
     return path
+
+
+def test_a_key_for_a_model_that_is_not_in_the_catalog_is_refused(db):
+    """``kiln key create --models`` names catalog ids (KILN_MODELS; here the demo catalog's
+    smollm2-135m): a misspelt id would make a key that can call nothing, so it writes nothing."""
+    _dialect, url, engine = db
+    kiln(url, "org", "create", "acme")
+    refused = kiln(url, "key", "create", "acme", "--models", "smollm2-135m,smolm2", check=False)
+    assert refused.returncode == 2
+    assert "not in the catalog: 'smolm2'" in refused.stderr and "smollm2-135m" in refused.stderr
+    with engine.connect() as conn:
+        assert conn.execute(sa.text("SELECT count(*) FROM api_keys")).scalar() == 0
+    kiln(url, "key", "create", "acme", "--models", "smollm2-135m")
+    with engine.connect() as conn:
+        assert conn.execute(sa.text("SELECT allowed_models FROM api_keys")).scalar() \
+            == "smollm2-135m"
