@@ -18,6 +18,7 @@ class Status(str, Enum):
     UPSTREAM_ERROR = "upstream_error"      # the backend failed or was unreachable
     TIMEOUT = "timeout"                    # the backend was too slow (connect, first byte, idle)
     ABANDONED = "abandoned"                # the worker was lost; closed by the sweeper
+    INTERRUPTED = "interrupted"            # the operator stopped the worker (shutdown, reload)
     ERROR = "error"                        # Kiln itself failed
 
 

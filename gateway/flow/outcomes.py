@@ -38,7 +38,8 @@ TABLE = (
     (ClientGone, Status.CLIENT_CANCELLED, CLIENT_CLOSED, None),
     (GeneratorExit, Status.CLIENT_CANCELLED, CLIENT_CLOSED, None),
     (LeaseLost, Status.ABANDONED, 500, LEASE_EXPIRED),
-    (ShuttingDown, Status.ERROR, 503, SHUTTING_DOWN),
+    # The operator's stop (shutdown, reload past its graceful timeout): not the customer's error.
+    (ShuttingDown, Status.INTERRUPTED, 503, SHUTTING_DOWN),
     (UpstreamTimeout, Status.TIMEOUT, 502, None),  # its code names the timeout that fired
     (UpstreamRejected, Status.REJECTED, 400, UPSTREAM_REJECTED),
     (ServiceUnavailable, Status.UPSTREAM_ERROR, 503, None),

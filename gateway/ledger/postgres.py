@@ -15,9 +15,9 @@ from ..errors import ServiceUnavailable
 from ..endings import Status
 
 # The usage-event statuses the functions below name, spelled by the one enum of them.
-PENDING, ABANDONED, COMPLETED, CANCELLED = (
+PENDING, ABANDONED, COMPLETED, CANCELLED, INTERRUPTED = (
     Status.PENDING.value, Status.ABANDONED.value, Status.COMPLETED.value,
-    Status.CLIENT_CANCELLED.value)
+    Status.CLIENT_CANCELLED.value, Status.INTERRUPTED.value)
 
 SETTLEMENT_TYPE = """CREATE TYPE kiln_settlement AS (
   gid text, org integer, key integer, model text, stream boolean, status text,
@@ -240,7 +240,7 @@ BEGIN
             SELECT d.org_id, CAST(d.began AT TIME ZONE 'UTC' AS date), d.model, d.api_key_id,
                    d.endpoint,
                    COUNT(*) FILTER (WHERE NOT d.fix),
-                   SUM(CASE WHEN d.status NOT IN ('{COMPLETED}', '{CANCELLED}')
+                   SUM(CASE WHEN d.status NOT IN ('{COMPLETED}', '{CANCELLED}', '{INTERRUPTED}')
                             THEN 1 ELSE 0 END
                        - CASE WHEN d.fix THEN 1 ELSE 0 END),
                    SUM(d.prompt - d.was_prompt), SUM(d.cached - d.was_cached),

@@ -13,8 +13,9 @@ from ..endings import Status
 
 NANOS = 10 ** 9
 # Settled statuses that are not errors in the activity rollup (docs/ACTIVITY.md, "What a row
-# counts"): the generation completed, or its client chose to stop it.
-NOT_ERRORS = (Status.COMPLETED.value, Status.CLIENT_CANCELLED.value)
+# counts"): the generation completed, its client chose to stop it, or the operator stopped its
+# worker (a shutdown or reload that outlasted the graceful timeout).
+NOT_ERRORS = (Status.COMPLETED.value, Status.CLIENT_CANCELLED.value, Status.INTERRUPTED.value)
 
 
 def period_start(reset, at):

@@ -199,7 +199,10 @@ def test_a_stream_longer_than_the_graceful_timeout_is_ended_told_and_billed(
     assert "stream relay failed" not in gw.log()  # Kiln's decision, not a failure of it
     assert gw.proc.wait(60) == 0  # the master itself stops cleanly
     assert "Worker graceful timeout" not in gw.log()  # ended before gunicorn had to kill
-    assert _settled(engine, stream.gid) == "error"
+    assert _settled(engine, stream.gid) == "interrupted"  # the operator's stop, not an error
+    with engine.connect() as conn:  # the activity rollup counts the request, not as an error
+        assert conn.execute(sa.text("SELECT requests, errors FROM usage_daily WHERE org_id = :o"),
+                            {"o": org.id}).one() == (1, 0)
     event, = assert_books_balance(engine, org, [stream.gid])
     # One token per relayed delta at least (Kiln's own count errs upward), at the fake's
     # literal price of 300 nano-dollars per completion token.
