@@ -47,15 +47,16 @@ def wants_csv(request):
     return fmt == "csv"
 
 
-def keyset_batches(engine, page, position, batch_rows=BATCH_ROWS):
-    """Yield the rows of a query as lists of at most ``batch_rows``, each list read by one
-    query on its own short connection.
+def keyset_batches(engine, page, position, batch_rows=None):
+    """Yield the rows of a query as lists of at most ``batch_rows`` (None:
+    :data:`BATCH_ROWS`), each list read by one query on its own short connection.
 
     :param page: ``(after, limit) -> Select``: the query's rows that come after the position
         ``after`` (None: from its first row) in its order, at most ``limit`` of them.
     :param position: ``row -> tuple``: a row's position in that order, unique to the row (the
         order's columns, ending with a unique one).
     """
+    batch_rows = batch_rows or BATCH_ROWS
     after = None
     while True:
         with engine.connect() as conn:
