@@ -15,7 +15,7 @@ import pytest
 import sqlalchemy as sa
 
 import factories
-from gateway.api import auth, export
+from gateway.api import auth, export, generations
 from gateway.models import api_keys, usage_daily, usage_events
 
 T0 = datetime(2026, 11, 20, 12, 0, tzinfo=timezone.utc)
@@ -304,3 +304,16 @@ def test_the_listing_needs_a_key(client):
     answer = client.get("/v1/generations")
     assert (answer.status_code, answer.get_json()["error"]["code"]) == (401, "invalid_api_key")
     assert client.get("/v1/generations?format=csv").status_code == 401
+
+
+def test_the_document_lists_the_parameters_and_values_the_endpoint_takes():
+    from gateway.api.openapi import build_document
+    operation = build_document(1024, export_max_rows=77)["paths"]["/v1/generations"]["get"]
+    schemas = {p["name"]: p["schema"] for p in operation["parameters"]}
+    assert tuple(schemas) == generations.PARAMS
+    assert tuple(schemas["status"]["enum"]) == generations.STATUSES
+    assert set(schemas["endpoint"]["enum"]) == {"chat", "messages", "responses", "completions",
+                                                "embeddings"}
+    assert schemas["limit"]["maximum"] == generations.PAGE_MAX
+    assert "at most 77 rows" in operation["responses"]["200"]["description"]
+    assert set(operation["responses"]["200"]["content"]) == {"application/json", "text/csv"}
