@@ -147,14 +147,16 @@ def generations_query(org_id, filters, key_id=None):
     return query
 
 
-def after(query, position):
+def after(query, position, inclusive=False):
     """Return ``query`` (of :func:`generations_query`) from just after ``position``, a
-    ``(started_at, id)`` pair, in its order (None: from its first row)."""
+    ``(started_at, id)`` pair, in its order (None: from its first row); from ``position``
+    itself on when ``inclusive``."""
     if position is None:
         return query
     e = usage_events.c
-    return query.where(sa.tuple_(e.started_at, e.id) < sa.tuple_(
-        sa.literal(position[0], e.started_at.type), sa.literal(position[1], e.id.type)))
+    key, start = sa.tuple_(e.started_at, e.id), sa.tuple_(
+        sa.literal(position[0], e.started_at.type), sa.literal(position[1], e.id.type))
+    return query.where(key <= start if inclusive else key < start)
 
 
 def visible_key(engine, principal, prefix):
@@ -235,7 +237,8 @@ def generations():
 
 
 def export_csv(engine, query, position, max_rows, limited):
-    """Return the CSV export of ``query`` from ``position`` on, streamed in keyset batches.
+    """Return the CSV export of ``query`` from ``position`` on, streamed in keyset batches:
+    the generations the filters match from its newest one at the start of the export down.
 
     :raises InvalidRequest: ``limited`` (``limit`` was given: it sizes JSON pages; an export
         holds every matching row), or more than ``max_rows`` rows (``export_too_large``).
@@ -244,6 +247,10 @@ def export_csv(engine, query, position, max_rows, limited):
         raise _invalid("limit", "it sizes a JSON page; a CSV export holds every generation "
                                 "the filters match (narrow it with from/to)")
     query = after(query, position)
+    with engine.connect() as conn:
+        newest = conn.execute(query.limit(1)).first()
+    if newest is not None:  # the export ends where it began: later requests are not in it
+        query = after(query, (newest.started_at, newest.id), inclusive=True)
     refuse_large_export(engine, query, max_rows, "from/to")
     batches = keyset_batches(engine, lambda start, size: after(query, start).limit(size),
                              lambda row: (row.started_at, row.id))

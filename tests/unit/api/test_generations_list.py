@@ -249,6 +249,23 @@ def test_the_csv_holds_every_item_as_json_shows_it_in_several_batches(client, en
     assert get(client, org.key, format="json").mimetype == "application/json"
 
 
+def test_an_export_ends_where_it_began(client, engine, seeded, monkeypatch):
+    """Events that start after an export began, before or while its batches are read, are not
+    in it: it holds what the filters matched when it started (and its bound was counted)."""
+    monkeypatch.setattr(export, "BATCH_ROWS", 5)
+    org, _second, ids = seeded
+    answer = client.get("/v1/generations?format=csv", headers=org.headers, buffered=False)
+    chunks = iter(answer.response)
+    header = next(chunks)  # the view has run; no batch is read yet
+    later = insert(engine, factories.event_values(org.id, key_id(engine, org.key),
+                                                  datetime.now(timezone.utc)))
+    text = (header + b"".join(chunks)).decode()
+    answer.close()
+    exported = [r["id"] for r in csv.DictReader(io.StringIO(text))]
+    assert exported == newest_first(engine, org.id)[1:] and later[0] not in exported
+    assert sorted(exported) == sorted(ids)
+
+
 def test_an_export_over_the_row_bound_is_refused_until_narrowed(tmp_path):
     app, engine = factories.sqlite_app(
         tmp_path, factories.CATALOG.format(url=factories.UNREACHABLE_BACKEND),
