@@ -48,7 +48,16 @@ def generations_paths(max_rows):
                    "filtered, in cursor pages or as one CSV export. A key without org_read "
                    "lists its own only.",
         "parameters": [*_filters(), *_paging(), csv_parameter()],
-        "responses": {"200": ok, **error_responses(400, 401, 403)}}}}
+        "responses": {"200": ok, **error_responses(400, 401, 403), "414": _too_long()}}}}
+
+
+def _too_long():
+    """Filters whose request line is longer than the HTTP server reads: gunicorn's
+    ``limit_request_line`` (4094 bytes, its default) answers in the error envelope
+    (deploy/gunicorn.conf.py)."""
+    return {"description": "The request line (path and query) is longer than the server "
+                           "reads, 4094 bytes: code `uri_too_long`.",
+            "content": {"application/json": {"schema": ref("ErrorResponse")}}}
 
 
 def _filters():
@@ -71,7 +80,8 @@ def _paging():
         _query("limit", "Items per JSON page (not with CSV).",
                {"type": "integer", "minimum": 1, "maximum": PAGE_MAX,
                 "default": PAGE_DEFAULT}),
-        _query("cursor", "A next_cursor as it came: the page after it.", {"type": "string"}),
+        _query("cursor", "A next_cursor as it came: the page after it.",
+               {"type": "string", "maxLength": 200}),
     ]
 
 

@@ -39,6 +39,7 @@ def test_key_and_activity_endpoints_match_the_document(gateway, fake, engine, do
         ("/v1/generations", {"to": "2026-12-01"}, org.headers, 400),
         ("/v1/generations", {"after": "gen-1"}, org.headers, 400),
         ("/v1/generations", None, {}, 401),
+        ("/v1/generations", {"model": "m" * 5000}, org.headers, 414),  # gunicorn's, enveloped
     ]:
         resp = requests.get(base + path, params=params, headers=headers, timeout=30)
         assert resp.status_code == status, (path, resp.text)
