@@ -1,10 +1,12 @@
 """``GET /v1/generations`` and the CSV exports through the real gateway on Postgres: the listing
 against the usage events that real requests left, CSV sums equal to the ledger's (the balance's
 change, the events, the activity rollup), pages that neither repeat nor skip while new
-requests arrive, one org blind to another's, and an export of 100,000 rows streamed by a worker
-whose memory does not grow with it.
+requests arrive, one org blind to another's, an export of 100,000 rows streamed by a worker
+whose memory does not grow with it, and one the database fails under ending broken.
 """
 import csv
+import http.client
+import socket
 import uuid
 from datetime import datetime, timedelta, timezone
 from decimal import Decimal
@@ -18,8 +20,8 @@ from fake_upstream import Hang, Status, chat_completion, error_reply, json_reply
 from factories import event_values
 from gateway.api import auth, export
 from gateway.models import usage_events
-from gateway_proc import (Gateway, balance_nanos, create_database, drop_database, gateway_env,
-                          make_org, migrate, wait_until)
+from gateway_proc import (PG_ADMIN_URL, Gateway, balance_nanos, create_database, drop_database,
+                          gateway_env, make_org, migrate, wait_until)
 
 pytestmark = pytest.mark.postgres
 
@@ -218,6 +220,35 @@ def big_export(catalog_path):
     gw.stop()
     engine.dispose()
     drop_database(name)
+
+
+def test_an_export_the_database_fails_under_ends_broken_not_short(big_export):
+    """The gateway's database connections are cut while an export is under way (the client
+    reads slowly, with a small receive buffer, so the worker is still writing): the download
+    fails as a broken chunked body, never ending like a complete CSV."""
+    gw, org, engine = big_export
+    conn = http.client.HTTPConnection("127.0.0.1", gw.port, timeout=120)
+    conn.sock = socket.socket()
+    conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # no receive autotuning
+    conn.sock.settimeout(120)
+    conn.sock.connect(("127.0.0.1", gw.port))
+    conn.request("GET", "/v1/generations?format=csv", headers=org.headers)
+    answer = conn.getresponse()
+    assert answer.status == 200
+    got = answer.read(64 * 1024)  # the export began; most of its 14.5 MiB is still to come
+    admin = sa.create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
+    with admin.connect() as pg:
+        cut = pg.execute(sa.text(
+            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+            "WHERE datname = :db AND application_name = 'kiln-gateway'"),
+            {"db": engine.url.database}).scalar_one()
+    admin.dispose()
+    assert cut >= 1
+    with pytest.raises((http.client.IncompleteRead, http.client.HTTPException, OSError)):
+        while chunk := answer.read(64 * 1024):
+            got += chunk
+    conn.close()
+    assert got.count(b"\r\n") - 1 < ROWS  # short, and the client was told so
 
 
 def test_a_csv_of_100k_rows_streams_in_bounded_memory(big_export):
