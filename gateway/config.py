@@ -79,6 +79,9 @@ class Config:
     parse_budget_bytes: int = 32 * 1024 * 1024
     parse_wait_s: float = 2.0
     unknown_key_cache_ttl_s: float = 5.0
+    # The most rows one CSV export of GET /v1/generations may hold: a larger export is a 400
+    # that asks for a narrower time range (docs/ACTIVITY.md, "Every request").
+    export_max_rows: int = 1_000_000
 
     @classmethod
     def from_mapping(cls, values=None):

@@ -113,7 +113,9 @@ usage_events = sa.Table(
     sa.Column("error_code", sa.String(64), nullable=True),
     sa.Column("attempts", sa.Text, nullable=True),
     sa.Column("anomaly", sa.Boolean, nullable=False, server_default=sa.false()),
-    sa.Index("ix_usage_events_org_started", "org_id", "started_at"),
+    # GET /v1/generations lists an org's events newest first by (started_at, id): each page
+    # is one range scan of this index from its cursor (migration 0017).
+    sa.Index("ix_usage_events_org_started_id", "org_id", "started_at", "id"),
 )
 
 in_flight = sa.Table(

@@ -9,9 +9,11 @@ image parts, forced ``tool_choice``, ``parallel_tool_calls``, ``response_format`
 """
 from flask import Blueprint, current_app, jsonify
 
+from ..config import Config
 from ..contract.catalog import ENDPOINTS
 from ..endings import Status
 from .openapi_common import DECIMAL_USD, error_responses, get_operation, json_response
+from .openapi_generations import generations_paths, generations_schemas
 from .openapi_keys import key_paths, key_schemas
 from .openapi_legacy import legacy_paths, legacy_schemas
 from .openapi_messages import messages_paths, messages_schemas, messages_security_schemes
@@ -23,13 +25,15 @@ bp = Blueprint("openapi", __name__)
 @bp.get("/openapi.json")
 def openapi_json():
     """Serve the OpenAPI 3.1 document (no API key needed)."""
-    return jsonify(build_document(current_app.config["KILN"].max_body_bytes))
+    config = current_app.config["KILN"]
+    return jsonify(build_document(config.max_body_bytes, config.export_max_rows))
 
 
-def build_document(max_body_bytes):
+def build_document(max_body_bytes, export_max_rows=Config.export_max_rows):
     """Return the OpenAPI 3.1 document as a dict.
 
     :param max_body_bytes: the request body limit in force (stated in the 413 description).
+    :param export_max_rows: the rows a CSV export may hold (stated in its description).
     """
     return {
         "openapi": "3.1.0",
@@ -39,11 +43,12 @@ def build_document(max_body_bytes):
                                 "Every error is the OpenAI envelope, except 502 (plain text), "
                                 "and Anthropic's envelope on /v1/messages."},
         "paths": {**_paths(max_body_bytes), **messages_paths(max_body_bytes),
-                  **responses_paths(max_body_bytes), **key_paths(), **legacy_paths()},
+                  **responses_paths(max_body_bytes), **key_paths(), **legacy_paths(),
+                  **generations_paths(export_max_rows)},
         "components": {"schemas": {**request_schemas(), **_response_schemas(),
                                    **_account_schemas(), **key_schemas(),
                                    **messages_schemas(), **responses_schemas(),
-                                   **legacy_schemas()},
+                                   **legacy_schemas(), **generations_schemas()},
                        "securitySchemes": {"apiKey": {"type": "http", "scheme": "bearer"},
                                            **messages_security_schemes()}},
         "security": [{"apiKey": []}],

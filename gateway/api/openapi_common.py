@@ -15,7 +15,7 @@ ERROR_CODES = {
     400: ["invalid_json", "invalid_content_type", "missing_required_parameter", "invalid_type",
           "invalid_value", "empty_array", "unsupported_parameter", "upstream_rejected",
           "incomplete_body", "context_length_exceeded", "unknown_parameter",
-          "invalid_image_url", "unsupported_endpoint"],
+          "invalid_image_url", "unsupported_endpoint", "export_too_large"],
     401: ["invalid_api_key"],
     402: ["insufficient_credits", "key_limit_exceeded"],
     403: ["key_revoked", "org_suspended", "model_not_allowed"],

@@ -1,12 +1,14 @@
 """The OpenAPI paths and schemas of keys and activity (``GET /v1/key``, ``GET /v1/keys``,
 ``GET /v1/activity``), merged into the document by :func:`gateway.api.openapi.build_document`."""
 from .openapi_common import DECIMAL_USD, error_responses, get_operation
+from .openapi_generations import csv_content, csv_parameter
+from .activity import COLUMNS as ACTIVITY_COLUMNS
 from .openapi_request import ref
 
 
 def key_paths():
     """Return the ``paths`` entries of the key and activity endpoints."""
-    return {
+    paths = {
         "/v1/key": {"get": get_operation("getKey", "Show the calling key: limits, usage this "
                                 "period, remaining, rate limit, created and last-used times.",
                                 "Key",
@@ -20,8 +22,14 @@ def key_paths():
                             "description": "One UTC day, YYYY-MM-DD (default: the last 30 "
                                            "days, today included). Anything else is a 400 "
                                            "`invalid_value` with param `date`.",
-                            "schema": {"type": "string", "format": "date"}}]}},
+                            "schema": {"type": "string", "format": "date"}},
+                           csv_parameter()]}},
     }
+    ok = paths["/v1/activity"]["get"]["responses"]["200"]
+    ok["content"].update(csv_content(ACTIVITY_COLUMNS))
+    ok["description"] = ("The rows as JSON; or, as CSV (`?format=csv` or `Accept: text/csv`), "
+                         "in the rollup's key order (day, model, key, endpoint).")
+    return paths
 
 
 def key_schemas():

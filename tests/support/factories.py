@@ -101,6 +101,19 @@ def fake_model_nanos(prompt=0, completion=0, cached=0):
     return literal_cost_nanos(FAKE_MODEL_NANOS, prompt, completion, cached)
 
 
+def event_values(org_id, api_key_id, started_at, **changes):
+    """The columns of one settled usage event for a direct INSERT into ``usage_events``: a
+    completed, non-stream chat generation of fake-model (10 prompt tokens, 2 of them cached,
+    5 completion tokens, at fake-model's prices), started and ended at ``started_at``, with
+    ``changes``. The balance and the rollup are not moved: for listings, not for money."""
+    values = dict(id=f"gen-{uuid.uuid4().hex[:24]}", org_id=org_id, api_key_id=api_key_id,
+                  model="fake-model", endpoint="chat", stream=False, status="completed",
+                  prompt_tokens=10, cached_tokens=2, completion_tokens=5,
+                  cost_nanos=fake_model_nanos(10, 5, 2), http_status=200,
+                  started_at=started_at, ended_at=started_at)
+    return {**values, **changes}
+
+
 def pricing(input="0.10", cached_input="0.05", output="0.30"):
     """A catalog price (USD per million tokens, decimal strings)."""
     return Pricing(input=Decimal(input), cached_input=Decimal(cached_input),

@@ -1,4 +1,5 @@
-// The activity page: credits, daily spend stacked by model, and the org's keys.
+// The activity page: credits, daily spend stacked by model, the org's keys, and its requests
+// (pages of GET /v1/generations, and all of them as a CSV download).
 // Amounts arrive as exact decimal strings of USD; sums are done in integer nano-dollars
 // (BigInt), and only the bar heights use floating point.
 "use strict";
@@ -8,6 +9,8 @@ const COLORS = ["#3b6fb6", "#e07b39", "#4a9d5b", "#b94a6a", "#7b5fb0", "#c9a227"
                 "#8c6d46"];
 const SVG_NS = "http://www.w3.org/2000/svg";
 const CHART = {width: 720, height: 260, left: 70, right: 10, top: 10, bottom: 30};
+const REQUESTS_PAGE = 10;
+let nextRequests = null;  // the cursor of the next page of requests, or null
 
 function nanos(usd) {
   const negative = usd.startsWith("-");
@@ -31,6 +34,24 @@ async function api(path, key) {
     throw new Error(body.error ? body.error.message : "HTTP " + response.status);
   }
   return body;
+}
+
+// A download needs the key as a header, which a plain link cannot send: the file is fetched
+// with it and handed to the browser from memory.
+async function download(path, key, filename) {
+  const response = await fetch(path, {headers: {Authorization: "Bearer " + key}});
+  if (!response.ok) {
+    const body = await response.json();
+    throw new Error(body.error ? body.error.message : "HTTP " + response.status);
+  }
+  const url = URL.createObjectURL(await response.blob());
+  const link = document.createElement("a");
+  link.href = url;
+  link.download = filename;
+  document.body.append(link);
+  link.click();
+  link.remove();
+  setTimeout(() => URL.revokeObjectURL(url), 60000);
 }
 
 function days(start, end) {
@@ -141,17 +162,64 @@ function showKeys(keys, activity) {
   document.getElementById("key-rows").replaceChildren(...rows);
 }
 
+function showRequests(page, append) {
+  const rows = page.data.map(g => {
+    const tr = document.createElement("tr");
+    tr.dataset.id = g.id;
+    const cells = [g.created_at.slice(0, 19).replace("T", " "), g.model, g.endpoint, g.status,
+                   String(g.prompt_tokens), String(g.cached_tokens),
+                   String(g.completion_tokens),
+                   g.cost_usd === null ? "pending" : usd(nanos(g.cost_usd)),
+                   g.key_label || g.key_prefix, g.id];
+    for (const text of cells) {
+      const td = document.createElement("td");
+      td.textContent = text;
+      tr.append(td);
+    }
+    return tr;
+  });
+  const body = document.getElementById("request-rows");
+  if (append) body.append(...rows); else body.replaceChildren(...rows);
+  nextRequests = page.next_cursor;
+  document.getElementById("more").hidden = nextRequests === null;
+}
+
+function requestsPath(cursor) {
+  const query = new URLSearchParams({limit: String(REQUESTS_PAGE)});
+  if (cursor) query.set("cursor", cursor);
+  return "/v1/generations?" + query.toString();
+}
+
+// Runs an action of a loaded page (more rows, a download); a failure is shown like a load's.
+async function act(action) {
+  const error = document.getElementById("error");
+  error.hidden = true;
+  document.body.dataset.action = "busy";
+  try {
+    await action(sessionStorage.getItem(STORAGE_KEY));
+    document.body.dataset.action = "done";
+  } catch (err) {
+    error.textContent = err.message;
+    error.hidden = false;
+    document.body.dataset.action = "error";
+  }
+}
+
 async function show(key) {
   const error = document.getElementById("error");
   error.hidden = true;
   try {
-    const [credits, keys, activity] = await Promise.all(
-      [api("/v1/credits", key), api("/v1/keys", key), api("/v1/activity", key)]);
+    const [credits, keys, activity, requests] = await Promise.all(
+      [api("/v1/credits", key), api("/v1/keys", key), api("/v1/activity", key),
+       api(requestsPath(null), key)]);
     showCredits(credits);
     showTotals(activity);
     drawChart(activity);
     showKeys(keys, activity);
-    for (const id of ["credits", "spend", "keys"]) document.getElementById(id).hidden = false;
+    showRequests(requests, false);
+    for (const id of ["credits", "spend", "keys", "request-list"]) {
+      document.getElementById(id).hidden = false;
+    }
     document.body.dataset.state = "loaded";
   } catch (err) {
     error.textContent = err.message;
@@ -173,6 +241,13 @@ document.addEventListener("DOMContentLoaded", () => {
   document.getElementById("forget").addEventListener("click", () => {
     sessionStorage.removeItem(STORAGE_KEY);
     location.reload();
+  });
+  document.getElementById("more").addEventListener("click", () => act(
+    async key => showRequests(await api(requestsPath(nextRequests), key), true)));
+  const csvLink = document.getElementById("csv");
+  csvLink.addEventListener("click", event => {
+    event.preventDefault();
+    act(key => download(csvLink.getAttribute("href"), key, "generations.csv"));
   });
   const saved = sessionStorage.getItem(STORAGE_KEY);
   if (saved) show(saved);

@@ -1,10 +1,12 @@
 """The activity page at ``/activity`` in a real headless Chromium (Debian's ``chromium`` and
 ``chromium-driver``, driven by selenium): a pasted key stays in session storage, the page shows
-the org's credits, draws the daily spend stacked by model from a seeded database, and lists the
-keys with their limits; a screenshot is kept (``TEST_ARTIFACTS_DIR``, else pytest's tmp dir).
+the org's credits, draws the daily spend stacked by model from a seeded database, lists the
+keys with their limits and the requests page by page, and downloads them as CSV; a screenshot
+is kept (``TEST_ARTIFACTS_DIR``, else pytest's tmp dir).
 
 Without Chromium this test fails, naming the packages: the page is part of what ships.
 """
+import csv
 import os
 import shutil
 import subprocess
@@ -19,7 +21,8 @@ import sqlalchemy as sa
 
 from gateway.api import auth
 from gateway.models import usage_events
-from gateway_proc import Gateway, create_database, drop_database, gateway_env, make_org, migrate
+from gateway_proc import (Gateway, create_database, drop_database, gateway_env, make_org, migrate,
+                          wait_until)
 
 pytestmark = pytest.mark.postgres
 
@@ -217,3 +220,76 @@ def test_the_page_draws_the_seeded_spend_and_keeps_the_key_in_the_session(seeded
     assert browser.save_screenshot(str(shot))
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 10_000
     print(f"screenshot: {shot}")
+
+
+def newest_first(url, org_id):
+    """``[(id, cost nano-dollars, key label, model)]`` of the org's usage events in the listing's
+    order, by the database: ``(started_at, id)`` descending (the seed's events share start
+    times)."""
+    engine = sa.create_engine(url)
+    with engine.connect() as conn:
+        rows = conn.execute(sa.text(
+            "SELECT e.id, e.cost_nanos, k.name, e.model FROM usage_events e JOIN api_keys k "
+            "ON k.id = e.api_key_id WHERE e.org_id = :o ORDER BY e.started_at DESC, e.id DESC"),
+            {"o": org_id}).all()
+    engine.dispose()
+    return [tuple(r) for r in rows]
+
+
+def wait_action(driver):
+    from selenium.webdriver.support.ui import WebDriverWait
+    WebDriverWait(driver, 30).until(
+        lambda d: d.find_element("tag name", "body").get_attribute("data-action") == "done")
+
+
+def test_the_page_lists_the_requests_and_downloads_them_as_csv(seeded, browser, tmp_path):
+    """The requests newest first, ten at a time ("Show more" fetches the next page by its
+    cursor), each with its cost; the CSV link downloads every request with the key as a
+    header (never in the URL), and the file's rows and cost sum are the seeded events'."""
+    from selenium.webdriver.common.by import By
+    gw, org, _ci_key, url = seeded
+    downloads = tmp_path / "downloads"
+    downloads.mkdir()
+    browser.execute_cdp_cmd("Page.setDownloadBehavior",
+                            {"behavior": "allow", "downloadPath": str(downloads)})
+    browser.get(gw.base_url + "/activity")
+    browser.execute_script("sessionStorage.clear()")
+    browser.refresh()
+    paste_key(browser, org.key)
+    wait_state(browser, "loaded")
+    events = newest_first(url, org.id)
+    assert len(events) == 3 * len(SEED)
+
+    def listed():
+        return [tr.get_attribute("data-id")
+                for tr in browser.find_elements(By.CSS_SELECTOR, "#request-rows tr")]
+    assert listed() == [gid for gid, _cost, _label, _model in events[:10]]
+    more = browser.find_element(By.ID, "more")
+    assert more.is_displayed()
+    more.click()
+    wait_action(browser)
+    assert listed() == [gid for gid, _cost, _label, _model in events]
+    assert not more.is_displayed()
+    first = [td.text for td in browser.find_elements(By.CSS_SELECTOR,
+                                                     "#request-rows tr:first-child td")]
+    gid, cost, label, model = events[0]
+    today = datetime.now(timezone.utc).date().isoformat()
+    assert first == [f"{today} 00:00:01", model, "chat", "completed", "4", "1", "2",
+                     page_usd(cost), label, gid]
+
+    browser.find_element(By.ID, "csv").click()
+    wait_action(browser)
+    saved = downloads / "generations.csv"
+    wait_until(lambda: saved.exists() and not list(downloads.glob("*.crdownload")),
+               timeout_s=30)
+    with saved.open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["id"], Decimal(r["cost_usd"])) for r in rows] == \
+        [(gid, Decimal(cost).scaleb(-9)) for gid, cost, _label, _model in events]
+    assert sum(Decimal(r["cost_usd"]) for r in rows) == Decimal(sum(s[3] for s in SEED)).scaleb(-9)
+    requested = browser.execute_script(
+        "return performance.getEntriesByType('resource').map(e => e.name)")
+    assert gw.base_url + "/v1/generations?format=csv" in requested
+    assert not [r for r in requested if org.key in r]  # the key went as a header only
+    logs = [e for e in browser.get_log("browser") if "Content Security Policy" in e["message"]]
+    assert logs == []
