@@ -11,13 +11,13 @@ transactions open when it starts. A build that fails leaves an invalid index beh
 dropped first when the upgrade runs again. SQLite (the demo's file): plain statements.
 
 Revision ID: 0017
-Revises: 0013
+Revises: 0018
 Create Date: 2026-12-02
 """
 from alembic import op
 
 revision = "0017"
-down_revision = "0013"
+down_revision = "0018"
 branch_labels = None
 depends_on = None
 
