@@ -32,6 +32,11 @@ PRE_TOKENIZERS = {"gpt-2": "gpt2", "smollm": DIGITS_THEN_GPT2, "starcoder": DIGI
                   "refact": DIGITS_THEN_GPT2, "codeshell": DIGITS_THEN_GPT2}
 
 
+# A text this long or longer is counted in the worker's thread pool, so that the event loop
+# keeps serving the other streams meanwhile (a megabyte takes a good part of a second).
+THREAD_CHARS = 64 * 1024
+
+
 class TokenizerFileError(ValueError):
     """A tokenizer file that cannot be used: missing, unreadable, or not a tokenizer."""
 
@@ -109,6 +114,10 @@ def from_gguf(path):
     return tokenizer
 
 
+def _count(tokenizer, text):
+    return len(tokenizer.encode(text, add_special_tokens=False).ids)
+
+
 class LocalTokenizers:
     """The catalog's local tokenizers for one worker: each built once, on first use or by
     :meth:`warm`, in the worker's thread pool; counts are exact.
@@ -134,7 +143,9 @@ class LocalTokenizers:
         tokenizer = self.get(model)
         if tokenizer is None:
             return None
-        return len(tokenizer.encode(text, add_special_tokens=False).ids)
+        if len(text) < THREAD_CHARS:
+            return _count(tokenizer, text)
+        return gevent.get_hub().threadpool.apply(_count, (tokenizer, text))
 
     def get(self, model):
         """Return ``model``'s tokenizer (built now if it was not yet), or None."""

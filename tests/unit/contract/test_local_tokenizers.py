@@ -75,6 +75,7 @@ def test_a_tokenizer_json_counts_its_own_tokens(tmp_path):
     assert entry.tokenizer == str((tmp_path / "tokenizer.json").resolve())
     tokenizers = LocalTokenizers({"m": entry.tokenizer})
     assert tokenizers.count("m", "hello world ! ! unknown") == 5
+    assert tokenizers.count("m", "hello " * 20_000) == 20_000  # a long text: in a thread
     assert tokenizers.count("other", "hello") is None  # no tokenizer: Kiln's bound applies
 
 
