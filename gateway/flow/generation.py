@@ -240,6 +240,7 @@ class Generation:
                 "status": outcome.status.value, "http_status": outcome.http_status,
                 "prompt_tokens": usage.prompt, "cached_tokens": usage.cached,
                 "completion_tokens": usage.completion, "estimated": usage.estimated,
+                "prompt_counted_by": usage.prompt_by, "completion_counted_by": usage.completion_by,
                 "cost_usd": str(from_nanos(cost_nanos)), "ttft_ms": _ms(self.first_token_s),
                 "duration_ms": _ms(time.monotonic() - self.started),
                 "has_error": outcome.message is not None}
