@@ -130,8 +130,8 @@ class Generation:
         return self._own_prompt(self.count_tokens), BY_BOUND
 
     def _own_completion(self):
-        """Kiln's completion count: exact when every text asked of a tokenizer was counted,
-        else the bound (bytes, within the budget)."""
+        """Kiln's completion count: exact when the generated text was counted by a tokenizer,
+        else the bound (bytes, within the budget; the relayed floor when there is no text)."""
         answered = []
 
         def count(text):
@@ -139,7 +139,7 @@ class Generation:
             answered.append(counted is not None)
             return counted
         tokens = estimate_completion(self.meter, count)
-        return tokens, BY_TOKENIZER if all(answered) else BY_BOUND
+        return tokens, BY_TOKENIZER if answered and all(answered) else BY_BOUND
 
     def _own_prompt(self, count):
         request = self.request
