@@ -103,3 +103,40 @@ def test_a_tokenizer_that_cannot_be_built_is_logged_counted_and_left_to_the_boun
     assert tokenizers.count("m", "hello again") is None
     assert failures == [("m", "load")]  # built once per worker: tried once, counted once
     assert "tokenizer_unavailable" in caplog.text
+
+
+def _gguf(path, model, pre):
+    """A GGUF file holding only a vocabulary: ``a``, ``b``, ``ab`` (merged) and ``<s>``."""
+    from gguf import GGUFWriter
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_tokenizer_model(model)
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(["a", "b", "ab", "<s>"])
+    writer.add_token_types([1, 1, 1, 3])  # <s>: a control token
+    writer.add_token_merges(["a b"])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_a_small_gguf_vocabulary_is_rebuilt_with_its_merges_and_special_tokens(tmp_path):
+    tokenizer = load(_gguf(tmp_path / "v.gguf", "gpt2", "smollm"))
+    assert tokenizer.encode("ab<s>a", add_special_tokens=False).tokens == ["ab", "<s>", "a"]
+
+
+@pytest.mark.parametrize("model, pre, message", [
+    ("llama", "default", "GGUF vocabulary 'llama' is not supported"),
+    ("gpt2", "qwen2", "GGUF pre-tokenizer 'qwen2' is not one of"),
+])
+def test_a_gguf_vocabulary_kiln_cannot_rebuild_exactly_is_refused_by_catalog_check(
+        tmp_path, model, pre, message):
+    from click.testing import CliRunner
+
+    from gateway.ops.cli_catalog import catalog
+    _gguf(tmp_path / "model.gguf", model, pre)
+    path = _catalog(tmp_path, "model.gguf")
+    assert load_catalog(path)["m"].tokenizer  # the load checks only the file's kind
+    result = CliRunner().invoke(catalog, ["check", str(path)])
+    assert result.exit_code == 1 and message in result.output
