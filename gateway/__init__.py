@@ -49,10 +49,12 @@ def create_app(config=None, environ=None):
 
 def _services(config, environ):
     """The per-app collaborators (:class:`gateway.flow.life.Services`): the engine, the catalog
-    (backend keys read from ``environ``), the metrics, the backends' states, the ledger."""
+    (backend keys read from ``environ``), the metrics, the backends' states, the ledger, the
+    catalog's local tokenizers (built in the background from the worker's start)."""
     from .background import Background
     from .backends import fleet, upstream
     from .contract import catalog
+    from .contract.tokenizers import LocalTokenizers
     from .db import create_engine
     from .flow.life import Services
     from .ledger import Ledger, NullLedger
@@ -62,10 +64,16 @@ def _services(config, environ):
     # Chosen once: the benchmarks' unmetered baseline has no ledger at all (KILN_METERING).
     ledger = Ledger(create_engine(config, ledger=True), config, models, gauges, background) \
         if config.metering else NullLedger()
+    tokenizers = LocalTokenizers(
+        {m.id: m.tokenizer for m in models.values() if m.tokenizer},
+        on_failure=lambda model, reason: gauges.tokenize_failures.labels(model, reason).inc())
+    if tokenizers.paths:
+        background.spawn("tokenizers", tokenizers.warm)  # off the first requests' path
     return Services(config=config, engine=create_engine(config),
                     session=upstream.create_session(config.upstream_pool_size),
                     catalog=models, metrics=gauges, ledger=ledger,
-                    states=fleet.prepare(models, config), background=background)
+                    states=fleet.prepare(models, config), background=background,
+                    tokenizers=tokenizers)
 
 
 def _register_blueprints(app):

@@ -10,18 +10,29 @@ NANOS_PER_USD = Decimal(10 ** 9)
 MILLION, HALF_MILLION = 10 ** 6, 5 * 10 ** 5
 MAX_TOKENS_COUNT = 2 ** 31 - 1  # the token columns are 32-bit; no real generation is near it
 
+# Which count a usage event bills, per kind of token (usage_events.prompt_counted_by and
+# completion_counted_by; docs/METERING.md, "Which count applies"): the backend's reported usage;
+# Kiln's tokenizer (the model's local tokenizer, or the backend's tokenize endpoint), exact; an
+# upward bound (the text's UTF-8 bytes, a template allowance, the relayed floor); the progress
+# the worker last recorded, billed by the sweeper when the worker was lost.
+BY_BACKEND, BY_TOKENIZER, BY_BOUND, BY_PROGRESS = "backend", "tokenizer", "bound", "progress"
+COUNTED_BY = (BY_BACKEND, BY_TOKENIZER, BY_BOUND, BY_PROGRESS)
+
 
 @dataclass(frozen=True)
 class Usage:
     """Token counts of one generation. ``completion`` includes reasoning tokens; ``estimated``
     marks counts that Kiln made itself (:mod:`gateway.flow.metering`); ``contradicted``, a
-    backend's usage whose fields disagreed, read from above (an anomaly)."""
+    backend's usage whose fields disagreed, read from above (an anomaly); ``prompt_by`` and
+    ``completion_by``, which count each is (:data:`COUNTED_BY`; None: nothing was counted)."""
 
     prompt: int = 0
     cached: int = 0
     completion: int = 0
     estimated: bool = False
     contradicted: bool = False
+    prompt_by: str = None
+    completion_by: str = None
 
     @classmethod
     def from_openai(cls, usage, estimated=False):

@@ -103,6 +103,11 @@ usage_events = sa.Table(
     sa.Column("cost_nanos", sa.BigInteger, nullable=False, server_default="0"),
     sa.Column("hold_nanos", sa.BigInteger, nullable=False, server_default="0"),
     sa.Column("estimated", sa.Boolean, nullable=False, server_default=sa.false()),
+    # Which count each kind of token bills (gateway.billing.COUNTED_BY: backend, tokenizer,
+    # bound, progress; migration 0014); NULL while pending, when nothing was counted, and on
+    # events settled before 0014.
+    sa.Column("prompt_counted_by", sa.String(16), nullable=True),
+    sa.Column("completion_counted_by", sa.String(16), nullable=True),
     sa.Column("http_status", sa.Integer, nullable=True),
     sa.Column("started_at", TS, nullable=False),
     sa.Column("first_token_at", TS, nullable=True),

@@ -24,7 +24,11 @@ export PROMETHEUS_MULTIPROC_DIR=$STATE/metrics
 # Ctrl-C stops the demo gracefully: running streams get this long to finish and settle.
 export KILN_GRACEFUL_TIMEOUT=${KILN_GRACEFUL_TIMEOUT:-10}
 if [[ -z ${KILN_MODELS:-} ]]; then  # the demo catalog, pointed at this run's model server
-  sed "s#127\.0\.0\.1:8081#127.0.0.1:$MODEL_PORT#g" gateway/demo_models.toml >"$STATE/models.toml"
+  # and at the GGUF file it serves, whose vocabulary is Kiln's own tokenizer for the model
+  gguf=$(scripts/model-server.sh gguf "$VENV")
+  sed -e "s#127\.0\.0\.1:8081#127.0.0.1:$MODEL_PORT#g" \
+      -e "/^id = \"smollm2-135m\"\$/a tokenizer = \"$gguf\"" \
+      gateway/demo_models.toml >"$STATE/models.toml"
   export KILN_MODELS=$STATE/models.toml
 fi
 KILN="$VENV/bin/kiln"

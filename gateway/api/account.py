@@ -79,14 +79,18 @@ def generation_view(row):
     ``cost_usd`` and ``hold_usd`` are exact decimal strings; ``cost_usd`` is None while the
     event is ``pending`` (a cost, once shown, never changes: docs/METERING.md); ``estimated``
     marks token counts that Kiln counted itself (the backend sent no usage, or the client left);
-    times are ISO 8601 with their offset (UTC), with ``ttft_ms`` and ``duration_ms`` derived
-    from them (None while unknown).
+    ``prompt_counted_by`` and ``completion_counted_by`` say which count each is (``backend``,
+    ``tokenizer``, ``bound``, ``progress``; None while pending or when nothing was counted:
+    docs/METERING.md, "Which count applies"); times are ISO 8601 with their offset (UTC), with
+    ``ttft_ms`` and ``duration_ms`` derived from them (None while unknown).
     """
     return {
         "id": row.id, "object": "generation", "model": row.model, "stream": row.stream,
         "status": row.status, "http_status": row.http_status,
         "prompt_tokens": row.prompt_tokens, "cached_tokens": row.cached_tokens,
         "completion_tokens": row.completion_tokens, "estimated": row.estimated,
+        "prompt_counted_by": row.prompt_counted_by,
+        "completion_counted_by": row.completion_counted_by,
         "total_tokens": row.prompt_tokens + row.completion_tokens,
         "cost_usd": (None if row.status == Status.PENDING
                      else format(from_nanos(row.cost_nanos), "f")),

@@ -42,5 +42,11 @@ def count_tokens():
         check_model(entry.id)
 
     def count(text):
-        return upstream.count_tokens(services.session, backend, text) if backend else None
+        local = services.tokenizers.count(entry.id, text) if entry is not None else None
+        if local is not None or backend is None:
+            return local
+        try:
+            return upstream.count_tokens(services.session, backend, text)
+        except upstream.TokenizeFailed:
+            return None  # Kiln's estimate, which errs upward; nothing is billed here
     return jsonify(CODEC.count_tokens(body, services.catalog, body_bytes, count))

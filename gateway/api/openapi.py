@@ -9,6 +9,7 @@ image parts, forced ``tool_choice``, ``parallel_tool_calls``, ``response_format`
 """
 from flask import Blueprint, current_app, jsonify
 
+from ..billing import COUNTED_BY as COUNTS
 from ..config import Config
 from ..contract.catalog import ENDPOINTS
 from ..endings import Status
@@ -19,6 +20,11 @@ from .openapi_legacy import legacy_paths, legacy_schemas
 from .openapi_messages import messages_paths, messages_schemas, messages_security_schemes
 from .openapi_request import nullable, ref, request_schemas
 from .openapi_responses import responses_paths, responses_schemas
+
+# Which count a usage event bills, per kind of token (docs/METERING.md, "Which count applies").
+COUNTED_BY = {"enum": [*COUNTS, None], "description": "backend: the backend's usage; tokenizer: "
+              "Kiln's exact count; bound: Kiln's upward bound; progress: the sweeper billed the "
+              "last progress recorded; null: pending, or nothing counted"}
 
 bp = Blueprint("openapi", __name__)
 
@@ -194,6 +200,7 @@ def _account_schemas():
                            "http_status": {"type": ["integer", "null"]},
                            "prompt_tokens": count, "cached_tokens": count,
                            "completion_tokens": count, "estimated": {"type": "boolean"},
+                           "prompt_counted_by": COUNTED_BY, "completion_counted_by": COUNTED_BY,
                            "cost_usd": {"anyOf": [DECIMAL_USD, {"type": "null"}],
                                         "description": "null while the event is pending"},
                            "hold_usd": DECIMAL_USD, "error": {"type": ["string", "null"]},

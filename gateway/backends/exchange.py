@@ -6,6 +6,8 @@ The flow (:mod:`gateway.flow`) owns the money side and drives this object throug
 nothing here knows about money or the client's dialect. The body each backend gets is built by
 the flow and handed in as ``build_body(backend) -> bytes``.
 """
+import json
+import logging
 import time
 
 import gevent
@@ -13,6 +15,8 @@ import gevent
 from . import upstream
 from ..errors import UpstreamTooLarge
 from .relay import ClientGone, ClientWatch, Pump, UpstreamCall, keepalives_until_answered
+
+log = logging.getLogger("kiln.requests")
 
 
 class Exchange:
@@ -168,9 +172,18 @@ class Exchange:
             self.call.close(complete=self._keep_alive)
 
     def count_tokens(self, text):
-        """The serving backend's tokenizer count of ``text``, or None (none, or no answer in
-        time)."""
-        return upstream.count_tokens(self.services.session, self.backend, text)
+        """The serving backend's tokenizer count of ``text``, or None: it has no tokenize
+        endpoint, or the endpoint gave no count in time (then logged as ``tokenize_failed``
+        and counted in ``kiln_tokenize_failures_total``: the bill falls back to the bound)."""
+        try:
+            return upstream.count_tokens(self.services.session, self.backend, text)
+        except upstream.TokenizeFailed as err:
+            model = self.route.entry.id
+            m = self.services.metrics
+            m.child(m.tokenize_failures, model, err.reason).inc()
+            log.warning(json.dumps({"event": "tokenize_failed", "model": model,
+                                    "backend": self.backend.url, "reason": err.reason}))
+            return None
 
     def interrupt(self, reason):
         """End this generation early with ``reason`` (an exception; see

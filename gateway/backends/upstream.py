@@ -297,18 +297,37 @@ def shutdown(resp):
     resp.close()
 
 
+class TokenizeFailed(Exception):
+    """The backend's tokenize endpoint gave no count; ``reason`` says why in a word
+    (``timeout``, ``unreachable``, ``http_<status>``, ``malformed``)."""
+
+    def __init__(self, reason):
+        super().__init__(reason)
+        self.reason = reason
+
+
 def count_tokens(session, backend, text, timeout_s=2.0):
     """Return the backend's exact token count of ``text`` (llama.cpp ``/extras/tokenize/count``),
-    or None when the backend has no tokenize endpoint or it fails."""
+    or None when the backend has no tokenize endpoint.
+
+    :raises TokenizeFailed: the endpoint did not answer with a count within ``timeout_s``.
+    """
     if not backend.tokenize_url:
         return None
     try:
         resp = session.post(backend.tokenize_url, json={"input": text}, timeout=timeout_s,
                             headers=auth_headers(backend))
-        if resp.status_code == 200:
-            data = resp.json()
-            count = data.get("count") if isinstance(data, dict) else None
-            return count if isinstance(count, int) and not isinstance(count, bool) else None
-    except (requests.RequestException, ValueError):
-        return None
-    return None
+    except requests.Timeout as err:
+        raise TokenizeFailed("timeout") from err
+    except requests.RequestException as err:
+        raise TokenizeFailed("unreachable") from err
+    if resp.status_code != 200:
+        raise TokenizeFailed(f"http_{resp.status_code}")
+    try:
+        data = resp.json()
+    except ValueError as err:
+        raise TokenizeFailed("malformed") from err
+    count = data.get("count") if isinstance(data, dict) else None
+    if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+        raise TokenizeFailed("malformed")
+    return count

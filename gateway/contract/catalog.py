@@ -4,19 +4,22 @@ part: :mod:`gateway.api.models`).
 Each entry gives a public model id, limits, input modalities, capabilities, prices (USD per
 million tokens, kept as exact decimals), backends (base URL + upstream model name + weight +
 optional ``max_in_flight`` and API key), and how requests reach them: ``routing`` and
-``timeouts`` (docs/ROUTING.md).
+``timeouts`` (docs/ROUTING.md); optionally a local ``tokenizer`` (a ``tokenizer.json`` or a GGUF
+file: :mod:`.tokenizers`) with which Kiln counts the model's tokens itself (docs/METERING.md).
 """
 import math
 import tomllib
 from dataclasses import dataclass, field, replace
 from decimal import Decimal
 from functools import cached_property
+from pathlib import Path
 
 from ..billing import NANOS_PER_USD
 from .families import FAMILIES
 from .images import DEFAULT_SOURCES, SOURCES
 from .parameters import PARAMETERS
 from .replies import MAX_REPLY_TOKENS
+from .tokenizers import TokenizerFileError, check_file
 from ..backends.routing import LOAD_BOUND, POLICIES, WEIGHTED
 
 # The APIs a model may serve (its catalog ``endpoints``; chat alone by default). The Messages
@@ -105,6 +108,9 @@ class ModelEntry:
     # Token entries one answer may carry: max_tokens × n × (1 + top_logprobs) (chat), max_tokens
     # × best_of × prompts × (1 + logprobs) (completions); above it: 400 (contract/replies.py).
     max_reply_tokens: int = MAX_REPLY_TOKENS
+    # A local tokenizer (tokenizer.json or GGUF file; relative to the catalog's folder), for
+    # exact counts without the backend (gateway.contract.tokenizers); None: none.
+    tokenizer: str = None
     _weights: tuple = field(default=(), repr=False)
 
     def timeouts_for(self, config):
@@ -145,9 +151,10 @@ def load_catalog(path, environ=None):
         (:func:`gateway.config.environment`); their ``api_key_file`` files are read then too.
         None: no backend key is read or checked, for a caller that never calls a backend (the
         body checker's child process, the sweeper).
-    :raises CatalogError: unreadable file, missing field, bad price, no backend, or a backend
+    :raises CatalogError: unreadable file, missing field, bad price, no backend, a backend
         key that cannot be read (a variable unset or empty, a file unreadable or empty, a key
-        that is not one line of visible ASCII); the message never holds a key.
+        that is not one line of visible ASCII; the message never holds a key), or a
+        ``tokenizer`` file that is missing, unreadable or not a tokenizer.
     """
     try:
         with open(path, "rb") as fh:
@@ -156,7 +163,7 @@ def load_catalog(path, environ=None):
         raise CatalogError(f"catalog {path}: {err}") from err
     models = {}
     for raw in data.get("models", []):
-        entry = _entry(raw)
+        entry = _with_tokenizer(_entry(raw), Path(path).parent)
         if environ is not None:
             entry = replace(entry, backends=tuple(_with_key(entry, b, environ)
                                                   for b in entry.backends))
@@ -164,6 +171,22 @@ def load_catalog(path, environ=None):
             raise CatalogError(f"catalog {path}: duplicate model id {entry.id!r}")
         models[entry.id] = entry
     return models
+
+
+def _with_tokenizer(entry, folder):
+    """Return ``entry`` with its ``tokenizer`` path made absolute (relative to ``folder``, the
+    catalog's), once the file is found to be a readable tokenizer.json or GGUF file."""
+    if entry.tokenizer is None:
+        return entry
+    if not isinstance(entry.tokenizer, str) or not entry.tokenizer:
+        raise CatalogError(f"catalog entry {entry.id!r}: tokenizer must name a tokenizer.json "
+                           f"or GGUF file")
+    path = folder / Path(entry.tokenizer).expanduser()
+    try:
+        check_file(path)
+    except TokenizerFileError as err:
+        raise CatalogError(f"catalog entry {entry.id!r}: {err}") from None
+    return replace(entry, tokenizer=str(path.resolve()))
 
 
 def _check_image_sources(entry):
@@ -189,7 +212,7 @@ def _entry(raw):
                                      "response_format", "stop", "created", "owned_by",
                                      "routing", "load_bound", "max_best_of",
                                      "embedding_max_inputs", "embedding_max_input_tokens",
-                                     "dimensions", "max_reply_tokens") if k in raw}
+                                     "dimensions", "max_reply_tokens", "tokenizer") if k in raw}
         extra.update({k: tuple(raw[k]) for k in ("extra_params", "image_sources") if k in raw})
         extra["endpoints"] = endpoints
         # An embeddings-only model generates nothing: its max output may be left out (0).

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 
 from ..backends import fleet
-from ..billing import Usage, cost_nanos, from_nanos, hold_nanos
+from ..billing import BY_BOUND, BY_TOKENIZER, Usage, cost_nanos, from_nanos, hold_nanos
 from ..db import utcnow
 from ..endings import Status
 from ..ledger import AdmissionRequest, Settlement
@@ -63,7 +63,7 @@ class Generation:
 
     :param exchange: the backend side (:class:`~gateway.backends.exchange.Exchange`), read
         for the backend that served, the attempts, whether the answer was taken, and its
-        tokenizer.
+        tokenize endpoint (asked only when the model has no local tokenizer).
     """
 
     def __init__(self, services, principal, request, admission, exchange, client_addr):
@@ -96,26 +96,53 @@ class Generation:
         """Return the usage to bill (computed once): nothing if the backend's answer was never
         taken or its stream began with an error (a refusal), else its report with Kiln's own
         counts where it is missing or malformed; Kiln's own counts alone for a reply too large
-        to read (docs/METERING.md)."""
+        to read (docs/METERING.md). Each count says which it is (``prompt_by``,
+        ``completion_by``)."""
         if self.usage is None:
             if not self.exchange.accepted or self.meter.refused:
                 self.usage = Usage()
             elif self.exchange.oversized_bytes is not None:
-                self.usage = Usage(prompt=self._own_prompt(), estimated=True,
+                self.usage = Usage(prompt=self._own_prompt(self.count_tokens), estimated=True,
                                    completion=oversized_completion(
                                        self.exchange.oversized_bytes,
-                                       self.request.completion_cap))
+                                       self.request.completion_cap),
+                                   prompt_by=BY_BOUND, completion_by=BY_BOUND)
             elif self.request.kind == EMBEDDINGS_ANSWER:
-                self.usage = reconcile_embeddings_usage(self.meter.reported, self._own_prompt)
+                self.usage = reconcile_embeddings_usage(self.meter.reported, self._prompt_bound)
             else:
-                self.usage = reconcile_usage(
-                    self.meter.reported, self.meter, self._own_prompt,
-                    lambda: estimate_completion(self.meter, self.exchange.count_tokens))
+                self.usage = reconcile_usage(self.meter.reported, self.meter,
+                                             self._prompt_bound, self._own_completion)
         return self.usage
 
-    def _own_prompt(self, count=None):
+    def count_tokens(self, text):
+        """Kiln's exact count of ``text``: the model's local tokenizer, else the serving
+        backend's tokenize endpoint; None when neither gives one (the bound applies)."""
+        counted = self.services.tokenizers.count(self.request.entry.id, text)
+        return counted if counted is not None else self.exchange.count_tokens(text)
+
+    def _local_count(self, text):
+        return self.services.tokenizers.count(self.request.entry.id, text)
+
+    def _prompt_bound(self):
+        """Kiln's prompt count: a bound from above in every case (the chat template, or the
+        raw prompts' and inputs' special tokens, are the backend's: an allowance stands for
+        them), tight when a tokenizer counts the text."""
+        return self._own_prompt(self.count_tokens), BY_BOUND
+
+    def _own_completion(self):
+        """Kiln's completion count: exact when the generated text was counted by a tokenizer,
+        else the bound (bytes, within the budget; the relayed floor when there is no text)."""
+        answered = []
+
+        def count(text):
+            counted = self.count_tokens(text)
+            answered.append(counted is not None)
+            return counted
+        tokens = estimate_completion(self.meter, count)
+        return tokens, BY_TOKENIZER if answered and all(answered) else BY_BOUND
+
+    def _own_prompt(self, count):
         request = self.request
-        count = count or self.exchange.count_tokens
         if request.kind != CHAT_ANSWER:  # raw prompts, or embeddings inputs
             if request.kind == EMBEDDINGS_ANSWER:
                 items, suffix, bound = request.inputs, None, request.entry.max_input_tokens
@@ -129,11 +156,15 @@ class Generation:
                                request.has_images, count)
 
     def progress(self):
-        """Usage so far, for the lease renewer: no backend call (its tokenizer may be busy)."""
+        """Usage so far, for the lease renewer: no backend call (its tokenizer may be busy);
+        the model's local tokenizer when it has one, so that a generation the sweeper bills
+        (its worker lost) is counted as its settlement would have counted it."""
         if self.usage is not None or not self.exchange.accepted or self.meter.refused:
             return self.usage
-        return Usage(prompt=self._own_prompt(lambda _text: None),
-                     completion=self.meter.generated, estimated=True)
+        text = self.meter.text()
+        counted = self._local_count(text) if text else None
+        return Usage(prompt=self._own_prompt(self._local_count),
+                     completion=max(counted or 0, self.meter.generated), estimated=True)
 
     # -- settlement ----------------------------------------------------------------------------
 
@@ -209,6 +240,7 @@ class Generation:
                 "status": outcome.status.value, "http_status": outcome.http_status,
                 "prompt_tokens": usage.prompt, "cached_tokens": usage.cached,
                 "completion_tokens": usage.completion, "estimated": usage.estimated,
+                "prompt_counted_by": usage.prompt_by, "completion_counted_by": usage.completion_by,
                 "cost_usd": str(from_nanos(cost_nanos)), "ttft_ms": _ms(self.first_token_s),
                 "duration_ms": _ms(time.monotonic() - self.started),
                 "has_error": outcome.message is not None}

@@ -19,6 +19,7 @@ from ..backends.fleet import Route
 from ..backends.health import BackendStates
 from ..backends.relay import ClientGone, guard_writes
 from ..backends.upstream import encode_body
+from ..contract.tokenizers import LocalTokenizers
 from ..contract.validation import EMBEDDINGS_ANSWER
 from ..endings import CLIENT_CLOSED
 from ..errors import GENERATION_HEADER, GatewayError
@@ -40,6 +41,8 @@ class Services:
     states: dict = field(default_factory=BackendStates)  # what this worker knows of each backend
     background: object = field(default_factory=Background)  # the worker's background greenlets
     live: set = field(default_factory=set)  # this worker's exchanges, until closed
+    # The catalog's local tokenizers, built once per worker (gateway.contract.tokenizers).
+    tokenizers: LocalTokenizers = field(default_factory=lambda: LocalTokenizers({}))
 
 
 def respond(services, principal, request, codec, environ, on_answer=None):

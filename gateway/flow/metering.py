@@ -1,15 +1,17 @@
 """Token metering, pure: what a generation produced, counted as Kiln relays it, and Kiln's own
-counts where a backend reports none or reports nonsense. No I/O here: a backend's tokenizer is
-passed in as a ``count(text) -> int | None`` callable.
+counts where a backend reports none or reports nonsense. No I/O here: a tokenizer (the model's
+local one, else the backend's tokenize endpoint) is passed in as a ``count(text) -> int | None``
+callable.
 
 Kiln is paid for tokens, so its own counts err upward (docs/METERING.md gives the bounds):
 
-- the prompt: the backend's tokenizer on everything sent (message text and parts, tool
-  definitions, tool calls and names in the history) plus the chat template's tokens, or, when the
-  tokenizer cannot answer in time, the UTF-8 bytes of that text (a byte-level BPE token covers at
-  least one byte); at most the context window;
-- the completion: the backend's tokenizer on everything generated (content, reasoning, refusals,
-  tool-call names and arguments, every choice), or its bytes capped by the budget; never fewer than
+- the prompt: the tokenizer on everything sent (message text and parts, tool definitions, tool
+  calls and names in the history) plus an allowance for the chat template's tokens, or, when no
+  tokenizer answers, the UTF-8 bytes of that text (a byte-level BPE token covers at least one
+  byte); at most the context window. Always a bound: the template is the backend's;
+- the completion: the tokenizer on everything generated (content, reasoning, refusals,
+  tool-call names and arguments, every choice), exact, or without one its bytes capped by the
+  budget (a bound); never fewer than
   the tokens the relay counted (each delta carries at least one token, and at least one per
   :data:`MAX_TOKEN_BYTES` bytes of its text). A reply proven by that count to hold more than
   the budget (a non-stream reply cannot be cut) is billed its bytes, uncapped: the cap it was
@@ -18,8 +20,9 @@ Kiln is paid for tokens, so its own counts err upward (docs/METERING.md gives th
 import json
 import math
 
-from ..billing import (TEMPLATE_TOKENS_PER_MESSAGE, TEMPLATE_TOKENS_PER_REQUEST, Usage,
-                       prompt_bound, token_count)  # noqa: F401 (prompt_bound: offered here too)
+from ..billing import (BY_BACKEND, BY_BOUND, TEMPLATE_TOKENS_PER_MESSAGE,
+                       TEMPLATE_TOKENS_PER_REQUEST, Usage, prompt_bound,  # noqa: F401 (offered)
+                       token_count)
 
 # Fields of a delta (stream) or a message (non-stream) that carry generated text.
 GENERATED_TEXT_FIELDS = ("content", "reasoning_content", "reasoning", "refusal")
@@ -292,13 +295,14 @@ def reconcile_usage(reported, meter, own_prompt, own_completion):
     Each count is taken from the backend when it is a well-formed count, else from Kiln's own
     (a null, missing, string, negative or fractional count is never billed as 0). A reported
     completion below the tokens Kiln counted relaying it (:attr:`Meter.floor`) is raised to
-    them. Own counts are computed only
-    when needed.
+    them (a bound). Own counts are computed only when needed.
 
     :param reported: the backend's ``usage`` object, or None.
-    :param own_prompt: ``() -> int``, Kiln's prompt estimate.
-    :param own_completion: ``() -> int``, Kiln's completion estimate.
-    :returns: :class:`Usage`; ``estimated`` when any count is Kiln's.
+    :param own_prompt: ``() -> (tokens, counted by)``, Kiln's prompt count and which count it
+        is (:data:`gateway.billing.COUNTED_BY`).
+    :param own_completion: ``() -> (tokens, counted by)``, Kiln's completion count.
+    :returns: :class:`Usage`; ``estimated`` when any count is Kiln's; ``prompt_by`` and
+        ``completion_by`` say which count each is.
     """
     reported = reported if isinstance(reported, dict) else {}
     prompt = token_count(reported.get("prompt_tokens"))
@@ -306,15 +310,17 @@ def reconcile_usage(reported, meter, own_prompt, own_completion):
     details = reported.get("prompt_tokens_details")
     cached = token_count(details.get("cached_tokens")) if isinstance(details, dict) else None
     estimated = prompt is None or completion is None
+    prompt_by = completion_by = BY_BACKEND
     if prompt is None:
-        prompt = own_prompt()
+        prompt, prompt_by = own_prompt()
     if completion is None:
-        completion = own_completion()
+        completion, completion_by = own_completion()
     elif completion < meter.floor:
-        completion, estimated = meter.floor, True
+        completion, completion_by, estimated = meter.floor, BY_BOUND, True
     prompt, completion, contradicted = _from_above(reported, prompt, cached, completion)
     return Usage(prompt=prompt, cached=min(cached or 0, prompt), completion=completion,
-                 estimated=estimated or contradicted, contradicted=contradicted)
+                 estimated=estimated or contradicted, contradicted=contradicted,
+                 prompt_by=prompt_by, completion_by=completion_by)
 
 
 def _from_above(reported, prompt, cached, completion):
@@ -342,14 +348,15 @@ def reconcile_embeddings_usage(reported, own_prompt):
     when it is a count (and ``total_tokens``, when sent, says the same), else Kiln's own
     estimate (``estimated``); nothing is generated.
 
-    :param own_prompt: ``() -> int``, Kiln's estimate of the inputs' tokens.
+    :param own_prompt: ``() -> (tokens, counted by)``, Kiln's estimate of the inputs' tokens.
     """
     reported = reported if isinstance(reported, dict) else {}
     prompt = token_count(reported.get("prompt_tokens"))
     total = reported.get("total_tokens", prompt)
     if prompt is None or token_count(total) != prompt:
-        return Usage(prompt=own_prompt(), estimated=True)
-    return Usage(prompt=prompt)
+        prompt, prompt_by = own_prompt()
+        return Usage(prompt=prompt, estimated=True, prompt_by=prompt_by)
+    return Usage(prompt=prompt, prompt_by=BY_BACKEND)
 
 
 def is_well_formed(reported, usage):

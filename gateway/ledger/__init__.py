@@ -44,7 +44,8 @@ import psycopg
 import sqlalchemy as sa
 from gevent.event import Event
 
-from ..billing import MAX_TOKENS_COUNT, Usage, cost_nanos, format_dollars, to_nanos
+from ..billing import (BY_PROGRESS, MAX_TOKENS_COUNT, Usage, cost_nanos, format_dollars,
+                       to_nanos)
 from ..db import is_postgres
 from ..errors import DatabaseBusy, DatabaseUnavailable, InsufficientCredits, RateLimited
 from ..endings import LEASE_EXPIRED, Status
@@ -120,7 +121,8 @@ class Settlement:
         u = self.usage
         usage = Usage(prompt=_clamp(u.prompt, MAX_TOKENS_COUNT),
                       cached=_clamp(u.cached, MAX_TOKENS_COUNT),
-                      completion=_clamp(u.completion, MAX_TOKENS_COUNT), estimated=u.estimated)
+                      completion=_clamp(u.completion, MAX_TOKENS_COUNT), estimated=u.estimated,
+                      prompt_by=u.prompt_by, completion_by=u.completion_by)
         values = {"usage": usage, "cost_nanos": _clamp(self.cost_nanos, MAX_BIGINT),
                   "http_status": None if self.http_status is None
                   else _clamp(self.http_status, MAX_TOKENS_COUNT),
@@ -141,6 +143,7 @@ class Settlement:
                 "error_code": self.error_code, "backend": self.backend,
                 "attempts": json.dumps(self.attempts) if self.attempts else None,
                 "anomaly": self.anomaly, "estimated": u.estimated,
+                "prompt_by": u.prompt_by, "completion_by": u.completion_by,
                 "started_at": _iso(self.started_at), "first_token_at": _iso(self.first_token_at),
                 "expired_before": _iso(self.expired_before)}
 
@@ -308,7 +311,8 @@ class Ledger:
 
     def _abandoned(self, row):
         usage = Usage(prompt=row["prompt_tokens"], cached=row["cached_tokens"],
-                      completion=row["completion_tokens"], estimated=True)
+                      completion=row["completion_tokens"], estimated=True,
+                      prompt_by=BY_PROGRESS, completion_by=BY_PROGRESS)
         entry = self.catalog.get(row["model"])
         cost = cost_nanos(usage, entry.pricing) if entry else 0
         return Settlement(gid=row["gid"], org_id=row["org"], key_id=row["key"],

@@ -25,6 +25,10 @@ SETTLEMENT_TYPE = """CREATE TYPE kiln_settlement AS (
   http_status integer, error text, error_code text, backend text, attempts text,
   anomaly boolean, estimated boolean, started_at timestamptz, first_token_at timestamptz,
   expired_before timestamptz)"""
+# Migration 0014 adds the attributes ``prompt_by text, completion_by text`` (which count each
+# kind of token is: gateway.billing.COUNTED_BY) to the type above, as created by 0003.
+SETTLEMENT_COUNTED_BY = ("ALTER TYPE kiln_settlement ADD ATTRIBUTE prompt_by text, "
+                         "ADD ATTRIBUTE completion_by text")
 
 PERIOD_START = """CREATE OR REPLACE FUNCTION kiln_period_start(p_reset text, p_at timestamptz)
 RETURNS timestamptz LANGUAGE sql IMMUTABLE AS $$
@@ -209,7 +213,9 @@ BEGIN
   ev AS (UPDATE usage_events e
             SET status = d.status, prompt_tokens = d.prompt, cached_tokens = d.cached,
                 completion_tokens = d.completion, cost_nanos = d.debit,
-                estimated = d.estimated, http_status = d.http_status, error = d.error,
+                estimated = d.estimated, prompt_counted_by = d.prompt_by,
+                completion_counted_by = d.completion_by, http_status = d.http_status,
+                error = d.error,
                 error_code = d.error_code, backend = COALESCE(d.backend, e.backend),
                 attempts = COALESCE(d.attempts, e.attempts),
                 anomaly = COALESCE(d.anomaly, false) OR d.debit < d.cost,

@@ -133,6 +133,7 @@ class SqliteStore:
         conn.execute(usage_events.update().where(ev.id == s.gid).values(
             status=s.status, prompt_tokens=u.prompt, cached_tokens=u.cached,
             completion_tokens=u.completion, cost_nanos=debit, estimated=u.estimated,
+            prompt_counted_by=u.prompt_by, completion_counted_by=u.completion_by,
             http_status=s.http_status, error=s.error, error_code=s.error_code,
             backend=sa.func.coalesce(s.backend, ev.backend),
             attempts=sa.func.coalesce(json.dumps(s.attempts) if s.attempts else None,

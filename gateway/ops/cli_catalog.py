@@ -2,6 +2,7 @@
 reload")."""
 import click
 
+from ..contract import tokenizers
 from ..contract.catalog import CatalogError, load_catalog
 from ..config import Config, environment
 
@@ -15,12 +16,16 @@ def catalog():
 @click.argument("path", type=click.Path(dir_okay=False), required=False)
 def catalog_check(path):
     """Validate a catalog (PATH, else KILN_MODELS's) before a reload; exit status 1 and the
-    reason if it is not valid."""
+    reason if it is not valid. Local tokenizers are built too (a worker builds them after its
+    start: a vocabulary Kiln cannot rebuild would leave the model to the bound)."""
     if path is None:
         path = Config.from_mapping().models
     try:
         models = load_catalog(path, environment())  # the backends' keys can be read too
-    except CatalogError as err:
+        for entry in models.values():
+            if entry.tokenizer:
+                tokenizers.load(entry.tokenizer)
+    except (CatalogError, tokenizers.TokenizerFileError) as err:
         raise click.ClickException(str(err)) from err
     for entry in models.values():
         live = sum(1 for b in entry.backends if b.weight > 0)

@@ -76,6 +76,12 @@ class Metrics:
         self.anomalies = Counter("kiln_usage_anomalies_total",
                                  "Generations whose backend reported more than Kiln held for",
                                  ["model"], registry=r)
+        # A count Kiln asked a tokenizer for and did not get (the backend's tokenize endpoint
+        # failed or was late; a local tokenizer file could not be built): the bound applied.
+        self.tokenize_failures = Counter(
+            "kiln_tokenize_failures_total",
+            "Token counts a tokenizer did not answer (the upward bound was billed instead), by "
+            "model and reason", ["model", "reason"], registry=r)
         self._backend_collectors(r)
 
     def _backend_collectors(self, r):

@@ -48,6 +48,8 @@ from requests.structures import CaseInsensitiveDict
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
 EMBEDDINGS_PATH = "/v1/embeddings"
+# llama.cpp's token count route (llama-cpp-python's server), outside /v1 as there.
+TOKENIZE_PATH = "/extras/tokenize/count"
 POLL_S = 0.02  # client-close polling interval while sleeping/hanging, seconds
 WORDS = ("Hello", " from", " the", " fake", " upstream!")
 
@@ -255,12 +257,19 @@ def models_list(*ids: str) -> dict:
     return {"object": "list", "data": data}
 
 
+def fake_token_count(text: str) -> int:
+    """The fake's tokenizer: one token per whitespace-separated word (far below the UTF-8
+    bytes of any text of words, so a count that fell back to bytes shows)."""
+    return len(text.split())
+
+
 def default_script(record: RequestRecord, chunks: int = 5, delay_s: float = 0.0,
                    hold_s: float = 0.0) -> list:
     """Built-in responder.
 
-    GET .../models -> models_list(); POST .../chat/completions -> chat_completion
-    (usage 10/5/15) or, with ``"stream": true``, an SSE stream of ``chunks`` content
+    GET .../models -> models_list(); POST /extras/tokenize/count -> ``{"count": N}``,
+    N the :func:`fake_token_count` of its ``input``; POST .../chat/completions ->
+    chat_completion (usage 10/5/15) or, with ``"stream": true``, an SSE stream of ``chunks`` content
     chunks ``delay_s`` seconds apart + finish chunk (+ usage chunk if
     ``stream_options.include_usage``) + ``[DONE]``; anything else -> 404.
     ``hold_s`` seconds pass before the status line.
@@ -269,6 +278,11 @@ def default_script(record: RequestRecord, chunks: int = 5, delay_s: float = 0.0,
     path = record.path.split("?", 1)[0]
     if record.method == "GET" and path.endswith("/models"):
         return steps + json_reply(models_list())
+    if record.method == "POST" and path == TOKENIZE_PATH:
+        text = (record.json or {}).get("input") if isinstance(record.json, dict) else None
+        if not isinstance(text, str):
+            return steps + error_reply(422, "input must be a string")
+        return steps + json_reply({"count": fake_token_count(text)})
     if record.method != "POST" or not path.endswith("/chat/completions"):
         return steps + error_reply(404, f"no route for {record.method} {path}")
     req = record.json if isinstance(record.json, dict) else {}

@@ -24,7 +24,8 @@ CHAT = "/v1/chat/completions"
 GENERATION_KEYS = {"id", "object", "model", "stream", "status", "http_status", "prompt_tokens",
                    "cached_tokens", "completion_tokens", "total_tokens", "estimated", "cost_usd",
                    "hold_usd", "error", "error_code", "anomaly", "created_at", "first_token_at",
-                   "ended_at", "ttft_ms", "duration_ms"}
+                   "ended_at", "ttft_ms", "duration_ms", "prompt_counted_by",
+                   "completion_counted_by"}
 
 
 def usd(nanos):
@@ -87,6 +88,7 @@ def test_generation_of_a_completed_request(gateway, fake, org, engine):
         "id": gid, "object": "generation", "model": "fake-model", "stream": False,
         "status": "completed", "http_status": 200, "prompt_tokens": 12, "cached_tokens": 0,
         "completion_tokens": 34, "total_tokens": 46, "estimated": False,
+        "prompt_counted_by": "backend", "completion_counted_by": "backend",
         "cost_usd": usd(expected), "error": None, "error_code": None, "anomaly": False,
         "created_at": None, "first_token_at": None,
         "ended_at": None, "ttft_ms": None, "duration_ms": None, "hold_usd": None}
@@ -108,6 +110,7 @@ def test_generation_of_a_stream_metered_by_kiln_is_flagged_estimated(gateway, fa
     assert view["stream"] is True and view["estimated"] is True
     # "one two": 7 bytes, Kiln's upward count without a tokenizer (docs/METERING.md)
     assert view["completion_tokens"] == 7 and view["status"] == "completed"
+    assert view["completion_counted_by"] == view["prompt_counted_by"] == "bound"
     assert view["cost_usd"] == usd(event["cost_nanos"])
 
 

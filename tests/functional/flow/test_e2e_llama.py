@@ -1,6 +1,7 @@
 """End to end: the official openai SDK, through Kiln (gunicorn, gevent workers), to the real
 llama.cpp server with SmolLM2-135M. The usage event, the header, ``usage.cost`` and the
 balance change agree exactly; the SQLite smoke path of ``make run`` works too."""
+import json
 import subprocess
 import sys
 from decimal import Decimal
@@ -12,6 +13,7 @@ import sqlalchemy as sa
 from factories import SMOLLM2_NANOS, literal_cost_nanos
 from gateway_proc import (ROOT, Gateway, balance_nanos, make_org, settled_event,
                           usage_event)
+from model_server import gguf_path
 
 pytestmark = pytest.mark.llama
 
@@ -20,8 +22,11 @@ MESSAGES = [{"role": "user", "content": "Name three colours."}]
 
 @pytest.fixture(scope="module")
 def llama_catalog(llama, tmp_path_factory):
+    """The demo catalog as ``make run`` writes it: on this module's server, with its GGUF file
+    as the model's local tokenizer."""
     text = (ROOT / "gateway" / "demo_models.toml").read_text().replace(
-        "http://127.0.0.1:8081", llama)
+        "http://127.0.0.1:8081", llama).replace(
+        'id = "smollm2-135m"\n', f'id = "smollm2-135m"\ntokenizer = {json.dumps(gguf_path())}\n')
     path = tmp_path_factory.mktemp("llama") / "models.toml"
     path.write_text(text)
     return path
@@ -89,12 +94,10 @@ def test_stream_answer_is_metered_by_kiln_and_billed_exactly(llama, llama_gatewa
     assert event["status"] == "completed" and event["estimated"] is True
     assert event["completion_tokens"] == usage.completion_tokens > 0
     assert event["prompt_tokens"] == usage.prompt_tokens > 0
-    # Kiln's count of the relayed text is the model's own tokenizer's, or (when the single-slot
-    # server was too busy to answer) the text's bytes: never below the tokenizer's count, and
-    # never above the 24 tokens held for.
-    exact = tokens(llama, text)
-    assert event["completion_tokens"] in (exact, min(len(text.encode()), 24))
-    assert exact <= event["completion_tokens"] <= 24
+    # Kiln's count of the relayed text is exact: its local tokenizer (the GGUF's vocabulary)
+    # counts it as the model server itself does, busy or not; never the bytes.
+    assert event["completion_tokens"] == tokens(llama, text) <= 24
+    assert event["completion_counted_by"] == "tokenizer" and event["prompt_counted_by"] == "bound"
     # The prompt, counted by Kiln too, is never below what the model itself counts for it.
     with sdk(llama_gateway, make_org(engine, "e2e-stream-prompt").key) as client:
         model_prompt = client.chat.completions.create(

@@ -9,6 +9,7 @@ made with ``pg_createcluster``, stopped and crashed with ``pg_ctlcluster``):
   event, whose cost is the one the client was told; the gateway's own sweeper closes the killed
   worker's; no balance is below zero, no lease is left, and reconciliation is clean.
 """
+import dataclasses
 import json
 import os
 import re
@@ -344,11 +345,15 @@ def test_a_late_real_settlement_corrects_the_sweepers_guess(ledger_db):
         conn.execute(sa.text("UPDATE in_flight SET expires_at = :t WHERE generation_id = :g"),
                      {"t": "2000-01-01 00:00:00+00", "g": gid})
     assert ledger.sweep(org_id=org.id) == 1
-    # the guess: 10 × 0.10 + 1 × 0.30 = 1.3 micro-dollars
+    # the guess: 10 × 0.10 + 1 × 0.30 = 1.3 micro-dollars, the progress recorded
     assert _event(engine, gid)[:2] == ("abandoned", 1_300)
-    debited = ledger.store.settle_batch([_settlement(gid, org, key_id, 12, 40, 13_200)])
+    assert _counted_by(engine, gid) == ("progress", "progress")
+    real = _settlement(gid, org, key_id, 12, 40, 13_200)
+    real.usage = dataclasses.replace(real.usage, prompt_by="bound", completion_by="tokenizer")
+    debited = ledger.store.settle_batch([real])
     assert debited == {gid: 13_200}
     assert _event(engine, gid) == ("completed", 13_200, 12, 40)
+    assert _counted_by(engine, gid) == ("bound", "tokenizer")
     with engine.connect() as conn:
         assert conn.execute(sa.text("SELECT balance_nanos, held_nanos, in_flight FROM "
                                     "credit_balances WHERE org_id = :o"), {"o": org.id}
@@ -361,6 +366,14 @@ def test_a_late_real_settlement_corrects_the_sweepers_guess(ledger_db):
     # settled once: a second delivery of the same settlement changes nothing
     assert ledger.store.settle_batch([_settlement(gid, org, key_id, 99, 99, 99_999)]) == {}
     assert _event(engine, gid) == ("completed", 13_200, 12, 40)
+
+
+def _counted_by(engine, gid):
+    """Which count the event bills, prompt and completion (docs/METERING.md)."""
+    with engine.connect() as conn:
+        return tuple(conn.execute(sa.text(
+            "SELECT prompt_counted_by, completion_counted_by FROM usage_events WHERE id = :g"),
+            {"g": gid}).one())
 
 
 def test_two_sweepers_at_once_close_each_generation_once(ledger_db):

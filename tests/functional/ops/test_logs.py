@@ -22,7 +22,8 @@ SECRET = "Zanzibar-Quokka-4417"  # a word that must never reach the log
 CLOSE = {"Connection": "close"}
 GENERATION_FIELDS = {"event", "generation_id", "org_id", "key_prefix", "model", "backend",
                      "stream", "status", "http_status", "prompt_tokens", "cached_tokens",
-                     "completion_tokens", "estimated", "cost_usd", "ttft_ms", "duration_ms"}
+                     "completion_tokens", "estimated", "prompt_counted_by",
+                     "completion_counted_by", "cost_usd", "ttft_ms", "duration_ms"}
 
 
 class SplitLogGateway(Gateway):

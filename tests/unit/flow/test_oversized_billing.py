@@ -17,6 +17,7 @@ from gateway.endings import Status
 from gateway.errors import UpstreamTooLarge
 from gateway.flow.answers import LARGE_REPLY_BYTES, complete
 from gateway.flow.generation import Admission, Generation
+from gateway.contract.tokenizers import LocalTokenizers
 from gateway.flow.metering import MAX_TOKEN_BYTES, Meter, oversized_completion
 from gateway.flow.outcomes import outcome_for
 
@@ -30,7 +31,8 @@ def generation(oversized_bytes, accepted=True, **fields):
                             {"m": model_entry()}, 100)
     exchange = SimpleNamespace(accepted=accepted, oversized_bytes=oversized_bytes,
                                count_tokens=lambda text: None)
-    services = SimpleNamespace(ledger=SimpleNamespace(track=lambda gid, progress: None))
+    services = SimpleNamespace(ledger=SimpleNamespace(track=lambda gid, progress: None),
+                               tokenizers=LocalTokenizers({}))
     return request, Generation(services, SimpleNamespace(), request,
                                Admission("gen-1", None, 0, 0.0), exchange, None)
 
@@ -51,6 +53,7 @@ def test_an_oversized_reply_is_billed_the_prompt_and_what_its_bytes_hold():
     request, gen = generation(oversized_bytes=MAX_TOKEN_BYTES * 7, max_tokens=50)
     usage = gen.final_usage()
     assert usage.completion == 7 and usage.estimated
+    assert usage.prompt_by == usage.completion_by == "bound"
     assert 0 < usage.prompt <= request.prompt_bound
 
 

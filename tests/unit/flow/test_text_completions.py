@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from gateway.billing import BY_BACKEND, BY_BOUND
 from gateway.flow.answers import _parse_embeddings
 from gateway.flow.metering import Meter, reconcile_embeddings_usage
 from gateway.flow.rules import StreamRules, apply_to_completion
@@ -73,8 +74,9 @@ def test_whole_text_completion_after_echo():
     ({"prompt_tokens": 5, "total_tokens": 6}, (9, True)), ({"prompt_tokens": "5"}, (9, True)),
 ])
 def test_embeddings_usage(reported, expected):
-    usage = reconcile_embeddings_usage(reported, lambda: 9)
+    usage = reconcile_embeddings_usage(reported, lambda: (9, BY_BOUND))
     assert (usage.prompt, usage.estimated) == expected and usage.completion == 0
+    assert usage.prompt_by == (BY_BOUND if expected[1] else BY_BACKEND)
 
 
 def test_embeddings_replies_are_checked_vector_for_vector():

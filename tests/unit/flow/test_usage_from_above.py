@@ -3,19 +3,20 @@ the largest count any field implies is billed, the usage is flagged estimated an
 anomaly; consistent usage is billed as reported."""
 import pytest
 
-from gateway.billing import Usage
+from gateway.billing import BY_BACKEND, BY_BOUND, Usage
 from gateway.flow.metering import Meter, reconcile_usage
 
 
 def reconcile(reported):
-    return reconcile_usage(reported, Meter(10_000), lambda: 999, lambda: 999)
+    return reconcile_usage(reported, Meter(10_000), lambda: (999, BY_BOUND),
+                           lambda: (999, BY_BOUND))
 
 
 def test_consistent_usage_is_billed_as_reported():
     assert reconcile({"prompt_tokens": 10, "completion_tokens": 50, "total_tokens": 60,
                       "prompt_tokens_details": {"cached_tokens": 4},
                       "completion_tokens_details": {"reasoning_tokens": 40}}) == \
-        Usage(prompt=10, cached=4, completion=50)
+        Usage(prompt=10, cached=4, completion=50, prompt_by=BY_BACKEND, completion_by=BY_BACKEND)
 
 
 @pytest.mark.parametrize("reported, prompt, cached, completion", [
