@@ -4,6 +4,8 @@ made with ``pg_createcluster``, stopped and crashed with ``pg_ctlcluster``):
 
 - Postgres stopped while generations finish: every settlement is retried until it commits, with
   the real usage; ``kiln credits reconcile`` is clean afterwards.
+- Postgres crashed (immediate stop) while generations settle and kept down while more finish:
+  brought back, every settlement has committed exactly once (events, balance, daily rollup).
 - Under load, a worker killed with SIGKILL and Postgres restarted in immediate mode (a crash)
   mid-run: every generation id a client saw, answered or cut by the kill, has exactly one usage
   event, whose cost is the one the client was told; the gateway's own sweeper closes the killed
@@ -26,8 +28,8 @@ import requests
 import sqlalchemy as sa
 
 from factories import MESSAGES
-from fake_upstream import chat_chunk, chat_completion, json_reply, make_usage, sse
-from gateway_proc import Gateway, make_org, migrate, wait_until
+from fake_upstream import Gate, chat_chunk, chat_completion, json_reply, make_usage, sse
+from gateway_proc import Gateway, balance_nanos, make_org, migrate, wait_until
 from pg_cluster import Cluster
 
 pytestmark = pytest.mark.postgres
@@ -114,6 +116,59 @@ def test_settlements_wait_out_a_stopped_database(cluster, db, catalog_path, fake
                 for v in settled.values()} == {("completed", 12, 3, False)}
         assert {v["cost_nanos"] for v in settled.values()} == {2_100}  # 1.2 + 0.9 µ$
         assert "settlement of" in gw.log()  # the retries were logged
+        check = reconcile(cluster)
+        assert check.returncode == 0, check.stdout + check.stderr
+    finally:
+        gw.stop()
+
+
+def test_settlements_are_retried_across_a_database_crash_and_commit_once(cluster, db,
+                                                                          catalog_path, fake):
+    """20 streams; half are let finish and Postgres is crashed at once (``pg_ctlcluster stop -m
+    immediate``: no shutdown checkpoint, recovery replays the WAL), so that some settlements
+    commit before it, some are cut mid-statement or mid-commit and some never reach it; the
+    other half finish while it is down. Brought back, every usage event is settled exactly once
+    with the usage its backend reported, and the balance and the daily rollup are exact."""
+    gw = gateway_on(cluster, catalog_path)
+    try:
+        org = make_org(db, f"crash-settle-{uuid.uuid4().hex[:8]}", limit=20)
+        usage = make_usage(prompt=12, completion=3)
+        gates = [threading.Event() for _ in range(2)]
+        for i in range(20):
+            status, first, *rest = sse([chat_chunk("a"), chat_chunk("b", finish_reason="stop"),
+                                        chat_chunk(choices=False, usage=usage)])
+            fake.enqueue([status, first, Gate(gates[i % 2]), *rest])
+        results = []
+
+        def stream():
+            r = requests.post(gw.base_url + "/v1/chat/completions", headers=org.headers,
+                              timeout=120, json={"model": "fake-model", "messages": MESSAGES,
+                                                 "stream": True})
+            results.append((r.headers["X-Neocloud-Generation-Id"], r.text))
+        threads = [threading.Thread(target=stream) for _ in range(20)]
+        for t in threads:
+            t.start()
+        wait_until(lambda: fake.active == 20, timeout_s=30)
+        gates[0].set()
+        cluster.crash()  # while the first half settle
+        gates[1].set()   # the second half finish with the database gone
+        for t in threads:
+            t.join(120)
+        assert len(results) == 20 and all(t.endswith("data: [DONE]\n\n") for _, t in results)
+        wait_until(lambda: "settlement of" in gw.log(), timeout_s=30)  # retried while down
+        cluster.start()
+        gids = [gid for gid, _ in results]
+        settled = wait_until(lambda: (e := events(db, gids)) and len(e) == 20 and all(
+            v["status"] != "pending" for v in e.values()) and e, timeout_s=120)
+        assert {(v["status"], v["prompt_tokens"], v["completion_tokens"], v["cost_nanos"])
+                for v in settled.values()} == {("completed", 12, 3, 2_100)}  # 1.2 + 0.9 µ$
+        assert balance_nanos(db, org.id) == (10 * 10**9 - 20 * 2_100, 0, 0)
+        with db.connect() as conn:
+            assert conn.execute(sa.text("SELECT count(*) FROM in_flight WHERE org_id = :o"),
+                                {"o": org.id}).scalar_one() == 0
+            assert tuple(conn.execute(sa.text(
+                "SELECT sum(requests), sum(completion_tokens), sum(cost_nanos) FROM usage_daily "
+                "WHERE org_id = :o"), {"o": org.id}).one()) == (20, 60, 20 * 2_100)
         check = reconcile(cluster)
         assert check.returncode == 0, check.stdout + check.stderr
     finally:
