@@ -427,3 +427,35 @@ def test_a_stream_is_not_retried_once_its_backend_answered_2xx(start_gateway, tr
         assert event["status"] != "completed"
     assert {r.headers["X-Neocloud-Generation-Id"] for r in answers} == \
         {e["id"] for e in events_of(engine, org.id)}
+
+
+def test_prefix_affinity_keeps_each_conversation_on_one_backend_through_the_gateway(
+        start_gateway, trio, tmp_path, engine):
+    """docs/ROUTING.md, "prefix-affinity": through gunicorn (two workers, each choosing on its
+    own), every turn of a conversation reaches the backend that served its first turn, whichever
+    worker takes it, and the conversations spread over both backends. One request at a time,
+    so no backend is over its bounded load."""
+    first, second = trio[:2]
+    first.start(), second.start()
+    catalog = write_fleet_catalog(tmp_path / "m.toml", [first.base_url, second.base_url],
+                                  routing="prefix-affinity")
+    gw = start_gateway(workers=2, models=catalog, probe_interval_s=0)
+    org = make_org(engine, "fleet-affinity")
+    homes = {}
+    for turn in range(3):
+        for c in range(12):
+            messages = [{"role": "system", "content": f"You are assistant {c}."},
+                        {"role": "user", "content": f"Question {c}"}]
+            for k in range(turn):
+                messages += [{"role": "assistant", "content": f"Answer {k}"},
+                             {"role": "user", "content": f"Follow-up {k}"}]
+            r = requests.post(gw.base_url + CHAT, headers=org.headers, timeout=60,
+                              json={"model": "fleet-model", "messages": messages})
+            assert r.status_code == 200, r.text
+            backend = usage_event(engine, r.headers["X-Neocloud-Generation-Id"])["backend"]
+            homes.setdefault(c, set()).add(backend)
+    assert all(len(backends) == 1 for backends in homes.values()), homes
+    assert {b for backends in homes.values() for b in backends} == \
+        {first.base_url, second.base_url}
+    served = [r for f in (first, second) for r in f.requests if r.method == "POST"]
+    assert len(served) == 36
