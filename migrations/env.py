@@ -10,7 +10,7 @@ have its locks at once (a long transaction holds the table) gives up, rolls back
 the queue through and is tried again after :data:`LOCK_PAUSE_S`, up to
 :data:`LOCK_ATTEMPTS` times. SQLite, the embedded demo's database, keeps one transaction (its
 table rebuilds need it)."""
-import logging
+import sys
 import time
 
 import sqlalchemy as sa
@@ -21,7 +21,6 @@ from gateway.db import create_engine
 from gateway.models import metadata
 
 config = context.config
-log = logging.getLogger("alembic.env")
 
 LOCK_TIMEOUT = "500ms"     # the longest a request queued behind a migration's lock waits for it
 LOCK_PAUSE_S = 0.5         # between a revision that gave up and its next try
@@ -50,9 +49,11 @@ def run_migrations_online():
                         getattr(err.orig, "sqlstate", None) != LOCK_NOT_AVAILABLE:
                     raise
                 connection.rollback()
-                log.warning("a migration's lock was not granted within %s (try %d of %d); its "
-                            "revision was rolled back and is tried again", LOCK_TIMEOUT,
-                            attempt, LOCK_ATTEMPTS)
+                # On stderr as is: `kiln db upgrade` configures no logging, and the operator
+                # should see why the upgrade takes longer.
+                print(f"a migration's lock was not granted within {LOCK_TIMEOUT} (try {attempt} "
+                      f"of {LOCK_ATTEMPTS}); its revision was rolled back and is tried again",
+                      file=sys.stderr, flush=True)
                 time.sleep(LOCK_PAUSE_S)
     engine.dispose()
 
