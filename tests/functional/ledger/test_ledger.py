@@ -125,9 +125,9 @@ def test_settlements_wait_out_a_stopped_database(cluster, db, catalog_path, fake
 def test_settlements_are_retried_across_a_database_crash_and_commit_once(cluster, db,
                                                                           catalog_path, fake):
     """20 streams; half are let finish and Postgres is crashed at once (``pg_ctlcluster stop -m
-    immediate``: no shutdown checkpoint, recovery replays the WAL), so that some settlements
-    commit before it, some are cut mid-statement or mid-commit and some never reach it; the
-    other half finish while it is down. Brought back, every usage event is settled exactly once
+    immediate``: no shutdown checkpoint, recovery replays the WAL), so that their settlements
+    may commit before it, be cut mid-statement or mid-commit, or not reach it; the other half
+    finish while it is down. Brought back, every usage event is settled exactly once
     with the usage its backend reported, and the balance and the daily rollup are exact."""
     gw = gateway_on(cluster, catalog_path)
     try:
