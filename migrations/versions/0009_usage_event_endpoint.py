@@ -37,8 +37,7 @@ BATCH_CHANGE = ("""(r.a->>'key_checks')::boolean,
 
 
 def upgrade():
-    if op.get_bind().dialect.name == "postgresql":
-        op.execute("SET LOCAL lock_timeout = '5s'")  # a moment's lock, or fail and retry
+    # Its locks are waited for a moment at most, or it is tried again (migrations/env.py).
     # A plain ADD COLUMN on both (SQLite's batch mode would rebuild the table that in_flight
     # refers to).
     op.add_column("usage_events", sa.Column("endpoint", sa.String(16), nullable=False,

@@ -32,8 +32,7 @@ SQLITE_DROP = "DROP TRIGGER IF EXISTS credit_grants_are_amounts"
 
 def upgrade():
     if op.get_bind().dialect.name == "postgresql":
-        op.execute("SET LOCAL lock_timeout = '5s'")  # a moment's lock, or fail and retry
-        op.execute(PG_CHECK)
+        op.execute(PG_CHECK)  # a moment's lock, or tried again (migrations/env.py)
     else:
         op.execute(SQLITE_TRIGGER)
 

@@ -4,7 +4,7 @@ limit (restricted keys, given to an app or a bot), and settable (README "Adminis
 
 The column's constant default is a change of the catalog only (Postgres 11 and later, SQLite);
 the backfill touches only the restricted keys, in one short statement, after a moment's lock
-(``lock_timeout``): a key check never waits on it for long.
+(``lock_timeout``, migrations/env.py): a key check never waits on it for long.
 
 Revision ID: 0012
 Revises: 0011
@@ -20,8 +20,6 @@ depends_on = None
 
 
 def upgrade():
-    if op.get_bind().dialect.name == "postgresql":
-        op.execute("SET LOCAL lock_timeout = '5s'")
     # A plain ADD COLUMN on both (SQLite's batch mode would rebuild the table that
     # usage_events refers to).
     op.add_column("api_keys", sa.Column("org_read", sa.Boolean, nullable=False,

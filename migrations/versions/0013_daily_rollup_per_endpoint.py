@@ -56,7 +56,7 @@ ON CONFLICT ({", ".join(KEY)}, endpoint) DO UPDATE
 
 def upgrade():
     if op.get_bind().dialect.name == "postgresql":
-        op.execute("SET LOCAL lock_timeout = '5s'")  # a moment's lock, or fail and retry
+        # A moment's lock, or tried again (migrations/env.py).
         op.add_column("usage_daily", sa.Column("endpoint", sa.String(16), nullable=False,
                                                server_default="chat"))
         op.execute("ALTER TABLE usage_daily DROP CONSTRAINT pk_usage_daily, "

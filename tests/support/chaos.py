@@ -52,6 +52,7 @@ class FaultRecord:
     result: str
     state: str = ""
     detail: str = ""
+    gateway: int = None  # the host a worker_kill or a HUP was applied to
 
 
 class ChaosRun:
@@ -150,6 +151,8 @@ class ChaosRun:
         else:
             key_kind = "revoked" if action.kind == "stale_key" else "current"
             seen = [play(port, action, 0, self.keys, key_kind)]
+        for o in seen:
+            o.gateway = action.gateway
         with self._obs_lock:
             self.observations.extend(seen)
 
@@ -178,7 +181,7 @@ class ChaosRun:
             except Exception as err:  # noqa: BLE001 - a fault that could not be applied
                 result, detail = "failed", f"{type(err).__name__}: {err}"
             self.fault_log.append(FaultRecord(fault.kind, fault.t_s, start, time.monotonic(),
-                                              result, fault.state, detail))
+                                              result, fault.state, detail, fault.gateway))
 
     def _fault(self, fault):
         if fault.kind == "worker_kill":
@@ -249,7 +252,10 @@ class ChaosRun:
         """The checks after the run: client views against the database, and reconcile."""
         gids = [o.gen_id for o in self.observations if o.gen_id]
         events = {r["id"]: r for r in self.db.query_retrying(checks.EVENTS_SQL, (gids,))}
-        checks.check_complete(self.observations, events, self.org_ids, self.violations)
+        kills = [(f.gateway, f.t_start, f.t_end) for f in self.fault_log
+                 if f.kind == "worker_kill" and f.result == "done"]
+        checks.check_complete(self.observations, events, self.org_ids, self.violations, kills,
+                              settle_slack_s=2 * LEASE_TTL_S)
         records = self.backends.records()
         reached = {found[:2] for found in (parse_marker(r.json) for r in records
                                            if isinstance(r.json, dict)) if found}

@@ -120,13 +120,20 @@ def _where(o):
             f"gen {o.gen_id})")
 
 
-def check_complete(observations, events, org_ids, violations):
+def check_complete(observations, events, org_ids, violations, kills=(), settle_slack_s=0.0):
     """Every complete response has exactly one usage event, of its org, costing its usage.cost
     (unless its worker was killed before the settlement committed: then ``abandoned``).
+
+    Which worker served a request is not known here (the client's connection is closed by the
+    time of a kill that leaves it to the sweeper), so an ``abandoned`` event is taken for the
+    killed worker's only if a worker of the host that answered it was killed between the
+    request's start and ``settle_slack_s`` after its answer ended; any other is a breach.
 
     :param observations: :class:`chaos_clients.Observation` list.
     :param events: ``{generation id: row}`` with the columns of :data:`EVENTS_SQL`.
     :param org_ids: ``{org index: org id}``.
+    :param kills: ``[(host index, kill's start, kill's end)]`` (monotonic seconds).
+    :param settle_slack_s: how long after its answer a settlement may still be outstanding.
     """
     seen = Counter(o.gen_id for o in observations if o.gen_id)
     for o in observations:
@@ -145,6 +152,12 @@ def check_complete(observations, events, org_ids, violations):
             # Answered, then its worker was killed before the settlement committed (a few
             # milliseconds after the answer): the sweeper billed the progress recorded
             # (docs/METERING.md). A live worker renews the lease until its settlement commits.
+            if not _killed_while_outstanding(o, kills, settle_slack_s):
+                violations.add("complete_cost_mismatch",
+                               f"{_where(o)}: usage.cost={o.cost} but the sweeper closed its "
+                               f"event (abandoned, cost={row['cost_nanos']} nanos) and no "
+                               f"worker of host {o.gateway} was killed while it was "
+                               f"outstanding", span=_span(o))
             continue
         billed = Decimal(row["cost_nanos"]) / NANOS_PER_USD
         if o.cost is None or billed != o.cost:
@@ -152,6 +165,11 @@ def check_complete(observations, events, org_ids, violations):
                            f"{_where(o)}: usage.cost={o.cost} but the event says cost={billed} "
                            f"status={row['status']} tokens={row['prompt_tokens']}/"
                            f"{row['completion_tokens']}", span=_span(o))
+
+
+def _killed_while_outstanding(o, kills, settle_slack_s):
+    return any(host == o.gateway and o.t_start <= end and start <= o.t_end + settle_slack_s
+               for host, start, end in kills)
 
 
 def check_answers(observations, events, reached, violations):

@@ -46,6 +46,7 @@ class Observation:
     cost: Decimal = None
     error_code: str = None
     detail: str = ""
+    gateway: int = None             # the index of the host it was sent to
 
 
 class Keys:

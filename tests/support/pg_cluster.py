@@ -26,7 +26,7 @@ def version():
 
 
 class Cluster:
-    """A cluster of its own: :meth:`start`, :meth:`stop`, :meth:`crash_and_restart`,
+    """A cluster of its own: :meth:`start`, :meth:`stop`, :meth:`crash`, :meth:`crash_and_restart`,
     :meth:`destroy`."""
 
     def __init__(self):
@@ -55,6 +55,11 @@ class Cluster:
     def stop(self):
         """Stop the server (fast shutdown: sessions are ended, no new connection is taken)."""
         self._ctl("stop", "-m", "fast")
+
+    def crash(self):
+        """Stop in immediate mode and leave it down: a crash (no checkpoint; :meth:`start`
+        recovers by replaying the WAL)."""
+        self._ctl("stop", "-m", "immediate")
 
     def crash_and_restart(self):
         """Restart in immediate mode: a crash (no checkpoint; recovery replays the WAL)."""

@@ -48,13 +48,17 @@ class SlowClient:
         raise AssertionError("the server never answered nor closed")
 
     def read_rest(self):
-        """Read until the server closes the connection; return the bytes."""
+        """Read until the server closes the connection; return the bytes. The server must end
+        it: this socket's own timeout running out is a failure, never a close."""
         chunks = []
         try:
             while chunk := self.sock.recv(65536):
                 chunks.append(chunk)
-        except (ConnectionResetError, socket.timeout):
+        except ConnectionResetError:
             pass
+        except socket.timeout as err:
+            raise AssertionError(f"the server neither answered nor closed within the client's "
+                                 f"{self.sock.gettimeout()} s; got {b''.join(chunks)!r}") from err
         return b"".join(chunks)
 
     def close(self):

@@ -393,3 +393,69 @@ def test_a_connect_timeout_names_itself_and_is_retried_elsewhere(full_backlog, f
     resp.close()
     route.release()
     assert not services.states[silent].breaker.is_up(time.monotonic())  # out at once
+
+
+def test_a_stream_is_not_retried_once_its_backend_answered_2xx(start_gateway, trio, tmp_path,
+                                                               engine):
+    """docs/ROUTING.md, "Retries before the first byte": two live backends, retries allowed,
+    and each answers a stream 200, one token, then resets the connection. Each request is tried
+    on one backend only (its bytes were already the client's answer): the client gets the
+    token and an error event, never a second answer spliced on, and the try is on record."""
+    first, second = trio[:2]
+    for backend in (first, second):
+        backend.default = lambda record: default_script(record) if record.method == "GET" else [
+            Status(200, {"Content-Type": "text/event-stream"}),
+            Send(sse_event(chat_chunk("Hello", role="assistant"))), Reset()]
+        backend.start()
+    catalog = write_fleet_catalog(tmp_path / "m.toml", [first.base_url, second.base_url],
+                                  routing="weighted")
+    gw = start_gateway(workers=1, models=catalog, probe_interval_s=0, upstream_retries=2)
+    org = make_org(engine, "fleet-no-retry-2xx")
+    answers = [chat(gw.base_url, org, stream=True) for _ in range(8)]
+    for r in answers:
+        assert r.status_code == 200
+        data = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+        assert json.loads(data[0])["choices"][0]["delta"]["content"] == "Hello"
+        assert "error" in json.loads(data[-1]) and "[DONE]" not in r.text
+        assert sum(1 for line in data if '"content": "Hello"' in line
+                   or '"content":"Hello"' in line) == 1
+    posts = [r for backend in (first, second) for r in backend.requests if r.method == "POST"]
+    assert len(posts) == len(answers)  # one try per request, on either backend
+    for r in answers:
+        event = usage_event(engine, r.headers["X-Neocloud-Generation-Id"])
+        assert len(json.loads(event["attempts"])) == 1, event["attempts"]
+        assert event["status"] != "completed"
+    assert {r.headers["X-Neocloud-Generation-Id"] for r in answers} == \
+        {e["id"] for e in events_of(engine, org.id)}
+
+
+def test_prefix_affinity_keeps_each_conversation_on_one_backend_through_the_gateway(
+        start_gateway, trio, tmp_path, engine):
+    """docs/ROUTING.md, "prefix-affinity": through gunicorn (two workers, each choosing on its
+    own), every turn of a conversation reaches the backend that served its first turn, whichever
+    worker takes it, and the conversations spread over both backends. One request at a time,
+    so no backend is over its bounded load."""
+    first, second = trio[:2]
+    first.start(), second.start()
+    catalog = write_fleet_catalog(tmp_path / "m.toml", [first.base_url, second.base_url],
+                                  routing="prefix-affinity")
+    gw = start_gateway(workers=2, models=catalog, probe_interval_s=0)
+    org = make_org(engine, "fleet-affinity")
+    homes = {}
+    for turn in range(3):
+        for c in range(12):
+            messages = [{"role": "system", "content": f"You are assistant {c}."},
+                        {"role": "user", "content": f"Question {c}"}]
+            for k in range(turn):
+                messages += [{"role": "assistant", "content": f"Answer {k}"},
+                             {"role": "user", "content": f"Follow-up {k}"}]
+            r = requests.post(gw.base_url + CHAT, headers=org.headers, timeout=60,
+                              json={"model": "fleet-model", "messages": messages})
+            assert r.status_code == 200, r.text
+            backend = usage_event(engine, r.headers["X-Neocloud-Generation-Id"])["backend"]
+            homes.setdefault(c, set()).add(backend)
+    assert all(len(backends) == 1 for backends in homes.values()), homes
+    assert {b for backends in homes.values() for b in backends} == \
+        {first.base_url, second.base_url}
+    served = [r for f in (first, second) for r in f.requests if r.method == "POST"]
+    assert len(served) == 36

@@ -11,6 +11,7 @@ import os
 import re
 import sys
 import tempfile
+import threading
 import time
 from decimal import Decimal
 from pathlib import Path
@@ -18,12 +19,13 @@ from pathlib import Path
 import openai
 import pytest
 import requests
+import sqlalchemy as sa
 
 from factories import MESSAGES, fake_model_nanos
-from fake_upstream import Close, Hang, Reset, Send, Sleep, Status, chat_chunk, \
+from fake_upstream import Close, Gate, Hang, Reset, Send, Sleep, Status, chat_chunk, \
     chat_completion, error_reply, json_reply, make_usage, sse
 from gateway_proc import (ROOT, Gateway, balance_nanos, free_port, make_org, settled_event,
-                          wait_until)
+                          usage_event, wait_until)
 from streams import (GRANT, SSE_HEAD, RawStream, assert_books_balance, close_raw_streams,
                      data_events, events, org_events, relay_event_by_event, stream_body)
 
@@ -542,3 +544,40 @@ def test_real_model_server_stops_generating_when_the_client_leaves(llama_gateway
     assert event["estimated"] and event["cost_nanos"] > 0
     wait_until(lambda: balance_nanos(engine, org.id)[2] == 0)
     assert_books_balance(engine, org.id)
+
+
+def test_settle_before_answer_holds_the_streams_end_until_its_settlement_commits(
+        start_gateway, fake, engine, org):
+    """``KILN_SETTLE_BEFORE_ANSWER=true`` (docs/METERING.md): the last bytes of a completed
+    stream leave only once its settlement has committed. The test holds the org's balance row
+    locked (``FOR UPDATE``) so that the settlement waits on it, and sees that wait in
+    ``pg_locks``; the stream's end has not arrived then (without the setting it was written
+    before the settlement began). Once the lock goes, the end arrives, and the event read at
+    that moment is already final with the cost the client was told."""
+    gw = start_gateway(settle_before_answer="true", settle_wait_s=120)
+    opened = threading.Event()
+    status, first, *rest = sse([chat_chunk("Hello"), chat_chunk(finish_reason="stop"),
+                                chat_chunk(choices=False, usage=make_usage(9, 2))])
+    fake.enqueue([status, first, Gate(opened), *rest])
+    raw = RawStream(gw.base_url, org.key, stream_body(
+        stream_options={"include_usage": True})).read_until(lambda s: b"Hello" in s.body)
+    with engine.connect() as holder:
+        tx = holder.begin()
+        holder.execute(sa.text("SELECT 1 FROM credit_balances WHERE org_id = :o FOR UPDATE"),
+                       {"o": org.id})
+        mine = holder.execute(sa.text("SELECT pg_backend_pid()")).scalar_one()
+        opened.set()
+        with engine.connect() as conn:
+            wait_until(lambda: conn.execute(sa.text(
+                "SELECT count(*) FROM pg_stat_activity WHERE :me = ANY(pg_blocking_pids(pid))"),
+                {"me": mine}).scalar_one() > 0, timeout_s=30)
+        with pytest.raises(AssertionError, match="timed out"):
+            raw.read_until(lambda s: s.ended, timeout_s=2)  # the end waits for the commit
+        assert b"[DONE]" not in raw.body
+        tx.rollback()
+    raw.read_all()
+    assert raw.ended and raw.body.endswith(b"data: [DONE]\n\n")
+    event = usage_event(engine, raw.gid, settled=False)  # read at once: no wait for it
+    told = json.loads(data_events(raw.body)[-2][6:], parse_float=Decimal)["usage"]["cost"]
+    assert event["status"] == "completed"
+    assert Decimal(event["cost_nanos"]) / 10**9 == told and event["cost_nanos"] == nanos(9, 2)

@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from datetime import datetime, timedelta, timezone
 from decimal import Decimal
@@ -334,3 +335,41 @@ def test_bad_key_settings_in_sql_are_refused_by_the_table(engine):
         with pytest.raises(sa.exc.IntegrityError):
             set_key(engine, org, **columns)
     assert key_row(engine, org)["limit_usd"] is None
+
+
+# -- a new limit on a key in use -----------------------------------------------------------------
+
+def kiln_cli(pg_url, *args):
+    return subprocess.run([KILN, *args], capture_output=True, text=True, timeout=120, check=True,
+                          env={**os.environ, "KILN_DATABASE_URL": pg_url})
+
+
+def test_a_new_limit_applies_to_a_key_in_use_within_the_key_cache_ttl(start_gateway, fake,
+                                                                       engine, pg_url):
+    """README "Key lookups are cached per worker for KILN_KEY_CACHE_TTL_S: ... a key's new limits
+    apply": a key the worker has cached is set to spend nothing (``kiln key set --limit 0``),
+    then its limit is cleared by SQL, then set to nothing again by SQL; each change is obeyed
+    by the next request sent once the TTL (1 s) has passed since the change (a cache entry is
+    never older than that), without a restart."""
+    ttl_s = 1.0
+    gw = start_gateway(workers=1, key_cache_ttl_s=ttl_s)
+    org = make_org(engine, f"inuse-{uuid.uuid4().hex[:8]}")
+    prefix = key_row(engine, org)["prefix"]
+
+    def after_the_ttl():
+        time.sleep(ttl_s + 0.2)
+        return post(gw.base_url, org, stream=False)
+
+    def assert_refused(answer):
+        assert answer.status_code == 402, answer.text
+        assert answer.json()["error"]["code"] == "key_limit_exceeded"
+
+    assert post(gw.base_url, org, stream=False).status_code == 200  # the key is now cached
+    assert post(gw.base_url, org, stream=False).status_code == 200  # served from the cache
+    kiln_cli(pg_url, "key", "set", prefix, "--limit", "0")
+    assert_refused(after_the_ttl())
+    set_key(engine, org, limit_usd=None)
+    assert [after_the_ttl().status_code for _ in range(2)] == [200, 200]
+    set_key(engine, org, limit_usd="0")
+    assert_refused(after_the_ttl())
+    quiet(engine, org)

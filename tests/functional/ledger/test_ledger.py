@@ -4,6 +4,8 @@ made with ``pg_createcluster``, stopped and crashed with ``pg_ctlcluster``):
 
 - Postgres stopped while generations finish: every settlement is retried until it commits, with
   the real usage; ``kiln credits reconcile`` is clean afterwards.
+- Postgres crashed (immediate stop) while generations settle and kept down while more finish:
+  brought back, every settlement has committed exactly once (events, balance, daily rollup).
 - Under load, a worker killed with SIGKILL and Postgres restarted in immediate mode (a crash)
   mid-run: every generation id a client saw, answered or cut by the kill, has exactly one usage
   event, whose cost is the one the client was told; the gateway's own sweeper closes the killed
@@ -27,8 +29,8 @@ import requests
 import sqlalchemy as sa
 
 from factories import MESSAGES
-from fake_upstream import chat_chunk, chat_completion, json_reply, make_usage, sse
-from gateway_proc import Gateway, make_org, migrate, wait_until
+from fake_upstream import Gate, chat_chunk, chat_completion, json_reply, make_usage, sse
+from gateway_proc import Gateway, balance_nanos, make_org, migrate, wait_until
 from pg_cluster import Cluster
 
 pytestmark = pytest.mark.postgres
@@ -121,11 +123,66 @@ def test_settlements_wait_out_a_stopped_database(cluster, db, catalog_path, fake
         gw.stop()
 
 
-def client_load(gw, orgs, stop, seen):
+def test_settlements_are_retried_across_a_database_crash_and_commit_once(cluster, db,
+                                                                          catalog_path, fake):
+    """20 streams; half are let finish and Postgres is crashed at once (``pg_ctlcluster stop -m
+    immediate``: no shutdown checkpoint, recovery replays the WAL), so that their settlements
+    may commit before it, be cut mid-statement or mid-commit, or not reach it; the other half
+    finish while it is down. Brought back, every usage event is settled exactly once
+    with the usage its backend reported, and the balance and the daily rollup are exact."""
+    gw = gateway_on(cluster, catalog_path)
+    try:
+        org = make_org(db, f"crash-settle-{uuid.uuid4().hex[:8]}", limit=20)
+        usage = make_usage(prompt=12, completion=3)
+        gates = [threading.Event() for _ in range(2)]
+        for i in range(20):
+            status, first, *rest = sse([chat_chunk("a"), chat_chunk("b", finish_reason="stop"),
+                                        chat_chunk(choices=False, usage=usage)])
+            fake.enqueue([status, first, Gate(gates[i % 2]), *rest])
+        results = []
+
+        def stream():
+            r = requests.post(gw.base_url + "/v1/chat/completions", headers=org.headers,
+                              timeout=120, json={"model": "fake-model", "messages": MESSAGES,
+                                                 "stream": True})
+            results.append((r.headers["X-Neocloud-Generation-Id"], r.text))
+        threads = [threading.Thread(target=stream) for _ in range(20)]
+        for t in threads:
+            t.start()
+        wait_until(lambda: fake.active == 20, timeout_s=30)
+        gates[0].set()
+        cluster.crash()  # while the first half settle
+        gates[1].set()   # the second half finish with the database gone
+        for t in threads:
+            t.join(120)
+        assert len(results) == 20 and all(t.endswith("data: [DONE]\n\n") for _, t in results)
+        wait_until(lambda: "settlement of" in gw.log(), timeout_s=30)  # retried while down
+        cluster.start()
+        gids = [gid for gid, _ in results]
+        settled = wait_until(lambda: (e := events(db, gids)) and len(e) == 20 and all(
+            v["status"] != "pending" for v in e.values()) and e, timeout_s=120)
+        assert {(v["status"], v["prompt_tokens"], v["completion_tokens"], v["cost_nanos"])
+                for v in settled.values()} == {("completed", 12, 3, 2_100)}  # 1.2 + 0.9 µ$
+        assert balance_nanos(db, org.id) == (10 * 10**9 - 20 * 2_100, 0, 0)
+        with db.connect() as conn:
+            assert conn.execute(sa.text("SELECT count(*) FROM in_flight WHERE org_id = :o"),
+                                {"o": org.id}).scalar_one() == 0
+            assert tuple(conn.execute(sa.text(
+                "SELECT sum(requests), sum(completion_tokens), sum(cost_nanos) FROM usage_daily "
+                "WHERE org_id = :o"), {"o": org.id}).one()) == (20, 60, 20 * 2_100)
+        check = reconcile(cluster)
+        assert check.returncode == 0, check.stdout + check.stderr
+    finally:
+        gw.stop()
+
+
+def client_load(gw, orgs, stop, seen, sent):
     """Requests in a loop until ``stop``: streams and JSON. Record each in ``seen`` as
     ``(kind, gid, status, detail)``: ``answered`` (read whole; detail: the cost it was told),
     ``cut`` (the connection broke after the id header arrived: a killed worker's),
-    ``refused`` (no id: refused before admission; detail: the error code) or ``lost``."""
+    ``refused`` (no id: refused before admission; detail: the error code) or ``lost``; and in
+    ``sent``, each generation id's ``(client port of its connection, monotonic time sent)``:
+    a keep-alive connection stays with the worker that accepted it, so the port names it."""
     session = requests.Session()
     i = 0
     while not stop.is_set():
@@ -133,13 +190,15 @@ def client_load(gw, orgs, stop, seen):
         stream = i % 2 == 0
         i += 1
         r = None
+        sent_at = time.monotonic()
         try:
             r = session.post(gw.base_url + "/v1/chat/completions", headers=org.headers,
-                             timeout=30, stream=stream,
+                             timeout=30, stream=True,
                              json={"model": "fake-model", "messages": MESSAGES,
                                    "stream": stream, "max_tokens": 20,
                                    **({"stream_options": {"include_usage": True}}
                                       if stream else {})})
+            _note_connection(r, sent_at, sent)
             text = r.text
         except requests.RequestException:
             gid = r.headers.get("X-Neocloud-Generation-Id") if r is not None else None
@@ -173,14 +232,24 @@ def _told_cost(text, stream):
     return None
 
 
+def _note_connection(r, sent_at, sent):
+    gid = r.headers.get("X-Neocloud-Generation-Id")
+    sock = getattr(r.raw.connection, "sock", None)
+    if gid and sock is not None:
+        sent[gid] = (sock.getsockname()[1], sent_at)
+
+
 def busiest_worker(gw):
-    """Return the pid of the worker holding the most client connections (``ss -p``): the
-    clients' keep-alive connections stay with one worker, so it is serving some right now."""
+    """Return the pid of the worker holding the most client connections (``ss -p``), and the
+    client ports of its connections: the clients' keep-alive connections stay with one
+    worker, so it is serving some right now."""
     out = subprocess.run(["ss", "-Htnp", "state", "established", f"sport = :{gw.port}"],
                          capture_output=True, text=True, timeout=30, check=True).stdout
-    pids = [int(pid) for pid in re.findall(r"pid=(\d+)", out)]
+    held = [(int(pid), int(port)) for port, pid in
+            re.findall(r"\S+:\d+\s+\S+:(\d+)\s+users:\(\(.*?pid=(\d+)", out)]
     workers = gw.worker_pids()
-    return max(workers, key=pids.count)
+    pid = max(workers, key=[p for p, _ in held].count)
+    return pid, {port for p, port in held if p == pid}
 
 
 def test_money_stays_exact_through_a_killed_worker_and_a_database_crash(
@@ -196,13 +265,15 @@ def test_money_stays_exact_through_a_killed_worker_and_a_database_crash(
                  chat_chunk(choices=False, usage=make_usage(9, 3))], delay_s=0.15)
             if (record.json or {}).get("stream") else
             json_reply(chat_completion("xy", usage=make_usage(9, 2))))
-        stop, seen = threading.Event(), []
-        clients = [threading.Thread(target=client_load, args=(gw, orgs, stop, seen))
+        stop, seen, sent = threading.Event(), [], {}
+        clients = [threading.Thread(target=client_load, args=(gw, orgs, stop, seen, sent))
                    for _ in range(6)]
         for t in clients:
             t.start()
         time.sleep(3)
-        os.kill(busiest_worker(gw), signal.SIGKILL)
+        pid, ports = busiest_worker(gw)
+        killed_at = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
         time.sleep(2)
         cluster.crash_and_restart()
         time.sleep(4)
@@ -210,7 +281,10 @@ def test_money_stays_exact_through_a_killed_worker_and_a_database_crash(
         for t in clients:
             t.join(60)
         _assert_faults_hit(seen)
-        _assert_every_answer_has_one_event(db, seen)
+        # The killed worker's generations: sent before the kill on a connection it held.
+        killed = {gid for gid, (port, at) in list(sent.items())
+                  if port in ports and at < killed_at}
+        _assert_every_answer_has_one_event(db, seen, killed)
         # The gateway's own sweeper, none run by hand; it logs just after its commit, which
         # the wait above may have seen first.
         wait_until(lambda: "sweeper closed" in gw.log(), timeout_s=10)
@@ -237,10 +311,11 @@ def _assert_faults_hit(seen):
     # stopped-database test above holds settlements through an outage on purpose).
 
 
-def _assert_every_answer_has_one_event(db, seen):
+def _assert_every_answer_has_one_event(db, seen, killed):
     """Every generation id a client saw has exactly one final usage event: the cost it was
-    told, if it was told one (unless its worker was killed before the settlement committed);
-    the killed worker's closed by the sweeper (``abandoned``)."""
+    told, if it was told one, unless it is one of the ``killed`` worker's generations and its
+    settlement had not committed (docs/METERING.md: then the sweeper's, ``abandoned``); only
+    the killed worker's generations may be cut or abandoned."""
     gids = [gid for _, gid, _, _ in seen if gid]
     assert len(set(gids)) == len(gids)
     found = wait_until(lambda: (e := events(db, gids)) and len(e) == len(gids) and all(
@@ -249,10 +324,13 @@ def _assert_every_answer_has_one_event(db, seen):
         assert conn.execute(sa.text("SELECT count(*) FROM usage_events WHERE id = ANY(:g)"),
                             {"g": gids}).scalar_one() == len(gids)
     for kind, gid, status, cost in seen:
+        if gid is None:
+            continue
         # An answer whose worker was killed in the milliseconds before its settlement
         # committed is the sweeper's (docs/METERING.md, "When the usage event is final").
-        if kind == "answered" and status == 200 and cost is not None and \
-                found[gid]["status"] != "abandoned":
+        if found[gid]["status"] == "abandoned" or kind == "cut":
+            assert gid in killed, (kind, found[gid])
+        elif kind == "answered" and status == 200 and cost is not None:
             assert Decimal(found[gid]["cost_nanos"]) / 10**9 == cost, found[gid]
     cut = [found[gid] for kind, gid, _, _ in seen if kind == "cut"]
     assert {e["status"] for e in cut} <= {"abandoned", "completed"}, cut

@@ -119,6 +119,33 @@ def test_a_complete_answer_matching_its_event_exactly_counts_nothing():
     assert seen.total == 0
 
 
+ABANDONED = {"gen-" + "a" * 24: event(status="abandoned", cost_nanos=90000)}
+
+
+@pytest.mark.parametrize("kills", [
+    [],                          # no worker was killed
+    [(1, 5.0, 5.1)],             # a worker of the other host
+    [(0, 5.0, 5.1)],             # of its host, before the request was sent
+    [(0, 40.0, 40.1)],           # of its host, long after its answer (past the slack)
+])
+def test_an_abandoned_complete_answer_is_counted_unless_a_worker_of_its_host_was_killed(kills):
+    """docs/METERING.md allows "billed" to differ from "told" only for a killed worker's
+    answers: an answer whose event the sweeper closed is a breach unless a worker of the host
+    that answered it was killed while it ran or its settlement was outstanding."""
+    seen = checks.Violations()
+    checks.check_complete([obs(gateway=0)], ABANDONED, ORG_IDS, seen, kills,
+                          settle_slack_s=12.0)
+    assert seen.counts["complete_cost_mismatch"] == 1 and seen.total == 1
+
+
+@pytest.mark.parametrize("kill", [(0, 10.5, 10.6), (0, 11.2, 11.3), (0, 9.0, 10.0)])
+def test_an_abandoned_complete_answer_of_a_killed_workers_host_counts_nothing(kill):
+    seen = checks.Violations()
+    checks.check_complete([obs(gateway=0)], ABANDONED, ORG_IDS, seen, [kill],
+                          settle_slack_s=12.0)
+    assert seen.total == 0
+
+
 def test_one_generation_id_on_two_answers_is_counted():
     seen = checks.Violations()
     checks.check_complete([obs(complete=False), obs(sub=1, complete=False)], {}, ORG_IDS, seen)

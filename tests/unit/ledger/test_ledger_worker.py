@@ -10,7 +10,7 @@ from gevent.event import Event
 
 from gateway.billing import Usage
 from gateway.ledger import Settlement
-from gateway.ledger.worker import Admitter, SettlementWriter
+from gateway.ledger.worker import Admitter, Renewer, SettlementWriter
 
 pytestmark = pytest.mark.unit
 
@@ -110,3 +110,52 @@ def test_an_answer_that_lands_with_the_deadline_is_settled_never_dropped():
     for _ in range(5):
         assert admit_as_the_deadline_passes() in ((["gen-edge"], []),
                                                   (["timeout"], ["gen-edge"]))
+
+
+class RecordingStore:
+    """``renew`` keeps each call's ``(gid, usage)`` leases and TTL."""
+
+    def __init__(self):
+        self.renewals = []
+
+    def renew(self, leases, lease_ttl_s):
+        self.renewals.append((list(leases), lease_ttl_s))
+        return {gid: "leased" for gid, _ in leases}
+
+
+class Running:
+    def __init__(self, gid, completion):
+        self.gid, self.completion, self.lost = gid, completion, Event()
+
+    def progress(self):
+        return Usage(prompt=3, completion=self.completion)
+
+
+class Stop(Exception):
+    pass
+
+
+@pytest.mark.parametrize("lease_ttl_s, every_s", [(3600, 5.0), (60, 5.0), (15, 5.0), (6, 2.0)])
+def test_progress_is_recorded_at_least_every_5_s_whatever_the_lease_ttl(monkeypatch, lease_ttl_s,
+                                                                        every_s):
+    """README "Metering": what the sweeper bills a killed worker's generation lags its real usage
+    by at most the renewal interval, a third of the lease's TTL capped at 5 s
+    (``RENEW_EVERY_MAX_S``): a long TTL must not stretch it. Each wait of the renewer is read
+    (not slept) and each renewal carries the lease's progress at that moment."""
+    store, lease = RecordingStore(), Running("gen-a", completion=0)
+    renewer = Renewer(store, lease_ttl_s=lease_ttl_s)
+    renewer.live = {lease.gid: lease}
+    waits = []
+
+    def sleep(seconds):
+        waits.append(seconds)
+        if len(waits) > 3:
+            raise Stop
+        lease.completion += 10  # tokens relayed meanwhile
+
+    monkeypatch.setattr(gevent, "sleep", sleep)
+    with pytest.raises(Stop):
+        renewer._run()
+    assert waits == [every_s] * 4
+    assert store.renewals == [([("gen-a", Usage(prompt=3, completion=c))], lease_ttl_s)
+                              for c in (10, 20, 30)]
