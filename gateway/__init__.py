@@ -69,12 +69,12 @@ def _services(config, environ):
 
 
 def _register_blueprints(app):
-    from .api import account, activity, auth, chat, legacy, messages, openapi, responses
+    from .api import account, activity, auth, chat, keys, legacy, messages, openapi, responses
     from .api import health as probes
     from .api import models as model_list
     from .ops import metrics
     for blueprint in (auth.bp, chat.bp, messages.bp, responses.bp, legacy.bp, model_list.bp,
-                      account.bp, activity.bp):
+                      account.bp, activity.bp, keys.bp):
         app.register_blueprint(blueprint, url_prefix="/v1")
     for blueprint in (probes.bp, openapi.bp, activity.page, metrics.bp):
         app.register_blueprint(blueprint)
