@@ -8,7 +8,7 @@ same), ``in_flight_limit``, ``expires_at`` (ISO 8601 with a UTC offset, in the f
 ``models`` (catalog ids), ``org_read``; null clears a field (no limit, every model, never
 expires). ``manage`` may only be false: a management key is the operator's to create.
 """
-from datetime import datetime
+from datetime import datetime, timezone
 from decimal import Decimal
 
 from ..db import storable_text
@@ -113,7 +113,7 @@ def _expires_at(value, now, **_):
                                      "\"2027-01-01T00:00:00Z\", or null")
     if when <= now:
         raise _invalid("expires_at", f"a time after now ({now.isoformat()})")
-    return when
+    return when.astimezone(timezone.utc)  # SQLite keeps the wall time alone
 
 
 def _models(value, catalog, **_):
