@@ -212,12 +212,16 @@ def key_create(ctx, org_ref, label, models, limit_text, reset, rpm, org_read, in
 @click.option("--no-rpm", is_flag=True, help="Remove the request rate limit.")
 @click.option("--org-read/--no-org-read", "org_read", default=None,
               help="Whether the key may read the org's other keys and org-wide activity.")
+@click.option("--in-flight", "in_flight", type=POSITIVE_INTEGER, default=None,
+              help="The key's own cap of requests in flight.")
+@click.option("--no-in-flight", is_flag=True, help="Remove the key's own in-flight cap.")
 @pass_ctx
-def key_set(ctx, prefix, limit_text, reset, rpm, no_limit, no_rpm, org_read):
+def key_set(ctx, prefix, limit_text, reset, rpm, no_limit, no_rpm, org_read, in_flight,
+            no_in_flight):
     """Change the limits of the key PREFIX; a new --reset starts a new period now (its spend
     counted again from the key's usage events since that period's start)."""
     changes = limit_changes(limit_text, reset, rpm, no_limit, no_rpm, is_postgres(ctx.engine),
-                            org_read)
+                            org_read, in_flight, no_in_flight)
     if not set_limits(ctx.engine, prefix, changes):
         raise click.ClickException(f"no key with prefix {prefix!r}")
     click.echo(f"updated {prefix}")

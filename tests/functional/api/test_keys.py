@@ -385,6 +385,8 @@ def test_the_operator_creates_a_management_key_and_every_change_is_recorded(db):
     assert (key_row(engine, bot)["manage"], key_row(engine, bot)["in_flight_limit"]) == \
         (False, 3)
     kiln(url, "key", "set", bot, "--rpm", "9")
+    kiln(url, "key", "set", bot, "--no-in-flight")
+    assert key_row(engine, bot)["in_flight_limit"] is None
     kiln(url, "key", "revoke", bot)
     kiln(url, "key", "revoke", bot, code=1)  # already revoked: nothing more recorded
     with engine.connect() as conn:
@@ -393,12 +395,14 @@ def test_the_operator_creates_a_management_key_and_every_change_is_recorded(db):
             "JOIN api_keys k ON k.id = c.api_key_id ORDER BY c.id")).all()
     assert [(r.prefix, r.action, r.actor, r.actor_key_id) for r in rows] == [
         (admin, "create", "operator", None), (bot, "create", "operator", None),
-        (bot, "update", "operator", None), (bot, "revoke", "operator", None)]
+        (bot, "update", "operator", None), (bot, "update", "operator", None),
+        (bot, "revoke", "operator", None)]
     assert json.loads(rows[0].changes) == {"name": "admin", "manage": True}
     assert json.loads(rows[1].changes) == {"in_flight_limit": 3, "limit_usd": "2"}
     assert json.loads(rows[2].changes) == {"rpm_limit": 9}
+    assert json.loads(rows[3].changes) == {"in_flight_limit": None}
     for statement in ("UPDATE key_changes SET actor = 'key'", "DELETE FROM key_changes"):
         with pytest.raises(sa.exc.DBAPIError, match="append-only"), engine.begin() as conn:
             conn.execute(sa.text(statement))
     with engine.connect() as conn:
-        assert conn.execute(sa.text("SELECT count(*) FROM key_changes")).scalar_one() == 4
+        assert conn.execute(sa.text("SELECT count(*) FROM key_changes")).scalar_one() == 5
