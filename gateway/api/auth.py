@@ -4,7 +4,9 @@ the ``auth`` blueprint beside it: ``GET /v1/key`` (the calling key), whose row a
 read by :mod:`gateway.ledger.keys` (the org's keys, the keys API: :mod:`gateway.api.keys`).
 
 Keys are random, shown once, stored as SHA-256 plus a short display prefix. Lookups are cached
-per process for ``KILN_KEY_CACHE_TTL_S`` seconds, so a revocation takes effect within that time.
+per process for ``KILN_KEY_CACHE_TTL_S`` seconds, so a revocation takes effect within that time;
+a key's ``expires_at`` (and the end of a rotated secret's grace period) is cached with it and
+compared on every request, so an expiry takes effect exactly (docs/KEYS.md).
 A key found unknown is remembered as unknown for ``KILN_UNKNOWN_KEY_CACHE_TTL_S`` seconds, so a
 client repeating a bad key costs no database query per request, and each repeat is answered
 only after :data:`UNKNOWN_KEY_DELAY_S` (a wait costs a gevent worker nothing, and a client

@@ -17,7 +17,9 @@ Invariants, per org (``kiln credits reconcile`` checks them):
    balance never goes below zero.
 3. A usage event leaves ``pending`` once, under its row lock, and its lease goes with it; the
    sweeper settles only leases still expired once the event is locked.
-4. ``api_keys.held_nanos = Σ in_flight.key_hold_nanos`` of the key's leases, and
+4. ``api_keys.held_nanos = Σ in_flight.key_hold_nanos`` of the key's leases (a key's own
+   in-flight cap counts its lease rows, ``in_flight.api_key_id``, under its row lock: a lease
+   deleted by settlement, or by the sweeper through it, is the key's slot released), and
    ``usage_daily`` sums the settled events (written by the same settlement).
 
 Row locks are always taken in this order: usage events (by id), leases, balances (by org id),
