@@ -77,13 +77,13 @@ def _services(config, environ):
 
 
 def _register_blueprints(app):
-    from .api import (account, activity, auth, chat, generations, legacy, messages, openapi,
-                      responses)
+    from .api import (account, activity, auth, chat, generations, keys, legacy, messages,
+                      openapi, responses)
     from .api import health as probes
     from .api import models as model_list
     from .ops import metrics
     for blueprint in (auth.bp, chat.bp, messages.bp, responses.bp, legacy.bp, model_list.bp,
-                      account.bp, activity.bp, generations.bp):
+                      account.bp, activity.bp, generations.bp, keys.bp):
         app.register_blueprint(blueprint, url_prefix="/v1")
     for blueprint in (probes.bp, openapi.bp, activity.page, metrics.bp):
         app.register_blueprint(blueprint)

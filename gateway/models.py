@@ -57,11 +57,39 @@ api_keys = sa.Table(
     sa.Column("rpm_limit", sa.Integer, nullable=True),
     sa.Column("rate_window", TS, nullable=True),
     sa.Column("rate_count", sa.Integer, nullable=False, server_default="0"),
+    # Migration 0015 (docs/KEYS.md): the key may manage its org's keys (the keys API); when
+    # it stops working; its own cap of requests in flight (NULL: only the org's); the secret it
+    # had before its last rotation, accepted until ``previous_expires_at``.
+    sa.Column("manage", sa.Boolean, nullable=False, server_default=sa.false()),
+    sa.Column("expires_at", TS, nullable=True),
+    sa.Column("in_flight_limit", sa.Integer, nullable=True),
+    sa.Column("previous_key_hash", sa.String(64), nullable=True),
+    sa.Column("previous_expires_at", TS, nullable=True),
     sa.CheckConstraint("limit_reset IN ('daily', 'weekly', 'monthly')", name="limit_reset"),
     sa.CheckConstraint("limit_usd >= 0", name="limit_not_negative"),
     # Admission compares the limit in BIGINT nano-dollars (migration 0004).
     sa.CheckConstraint("limit_usd <= 9223372036.854775807", name="limit_in_range"),
     sa.CheckConstraint("rpm_limit > 0", name="rpm_positive"),
+    sa.CheckConstraint("in_flight_limit > 0", name="in_flight_limit_positive"),
+    sa.Index("ix_api_keys_previous_key_hash", "previous_key_hash", unique=True),
+)
+
+# Every change to a key (created, changed, rotated, revoked), by a management key or by the
+# operator's ``kiln key``: append-only (triggers refuse UPDATE and DELETE; migration 0015).
+# ``changes`` is a JSON object of the fields set (never a secret or a hash).
+key_changes = sa.Table(
+    "key_changes", metadata,
+    sa.Column("id", sa.Integer, primary_key=True),
+    sa.Column("org_id", sa.Integer, sa.ForeignKey("orgs.id"), nullable=False),
+    sa.Column("api_key_id", sa.Integer, sa.ForeignKey("api_keys.id"), nullable=False),
+    sa.Column("actor", sa.String(16), nullable=False),  # "key" or "operator"
+    sa.Column("actor_key_id", sa.Integer, sa.ForeignKey("api_keys.id"), nullable=True),
+    sa.Column("action", sa.String(16), nullable=False),
+    sa.Column("changes", sa.Text, nullable=False),
+    sa.Column("created_at", TS, nullable=False, server_default=sa.func.current_timestamp()),
+    sa.CheckConstraint("actor IN ('key', 'operator')", name="actor"),
+    sa.CheckConstraint("action IN ('create', 'update', 'rotate', 'revoke')", name="action"),
+    sa.Index("ix_key_changes_key_created", "api_key_id", "created_at"),
 )
 
 credit_balances = sa.Table(
@@ -130,9 +158,13 @@ in_flight = sa.Table(
     sa.Column("hold_nanos", sa.BigInteger, nullable=False),
     # The part of the hold counted against the key's limit (0 when it has none).
     sa.Column("key_hold_nanos", sa.BigInteger, nullable=False, server_default="0"),
+    # The key that holds the lease: a key's in-flight cap counts its lease rows (migration
+    # 0015), so a lease released anywhere (settlement, the sweeper) is released for the key.
+    sa.Column("api_key_id", sa.Integer, nullable=True),
     # A lease stops counting after this time unless renewed (worker killed: SIGKILL, OOM).
     sa.Column("expires_at", TS, nullable=False),
     sa.Index("ix_in_flight_org_expires", "org_id", "expires_at"),
+    sa.Index("ix_in_flight_key", "api_key_id"),
 )
 
 # One row per org, UTC day (of the generation's start), model and key: what GET /v1/activity

@@ -1,10 +1,12 @@
 """API keys: the ``Authorization: Bearer`` check on every API view (keys are created and revoked
 by :mod:`gateway.ledger.keys`, whose names this module also offers its callers), and
-the ``auth`` blueprint beside it: ``GET /v1/key`` (the calling key) and ``GET /v1/keys`` (the
-org's keys), whose rows and limits are read by :mod:`gateway.ledger.keys`.
+the ``auth`` blueprint beside it: ``GET /v1/key`` (the calling key), whose row and limits are
+read by :mod:`gateway.ledger.keys` (the org's keys, the keys API: :mod:`gateway.api.keys`).
 
 Keys are random, shown once, stored as SHA-256 plus a short display prefix. Lookups are cached
-per process for ``KILN_KEY_CACHE_TTL_S`` seconds, so a revocation takes effect within that time.
+per process for ``KILN_KEY_CACHE_TTL_S`` seconds, so a revocation takes effect within that time;
+a key's ``expires_at`` (and the end of a rotated secret's grace period) is cached with it and
+compared on every request, so an expiry takes effect exactly (docs/KEYS.md).
 A key found unknown is remembered as unknown for ``KILN_UNKNOWN_KEY_CACHE_TTL_S`` seconds, so a
 client repeating a bad key costs no database query per request, and each repeat is answered
 only after :data:`UNKNOWN_KEY_DELAY_S` (a wait costs a gevent worker nothing, and a client
@@ -23,7 +25,7 @@ import logging
 import re
 import time
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import timedelta, timezone
 
 import gevent
 import sqlalchemy as sa
@@ -32,7 +34,7 @@ from flask import Blueprint, current_app, g, jsonify, request
 from ..db import utcnow
 from ..errors import Forbidden, Unauthorized
 from ..ledger.keys import (KEY_PREFIX, PREFIX_LEN, create_key, hash_key,  # noqa: F401
-                           key_by_id, key_view, org_keys, revoke_key)
+                           key_by_id, key_view, revoke_key)
 from ..models import api_keys, orgs
 
 bp = Blueprint("auth", __name__)
@@ -60,43 +62,75 @@ class Principal:
     limit_reset: str = None    # "daily", "weekly", "monthly", or None (never resets)
     rpm_limit: int = None      # requests per minute, or None
     org_read: bool = True      # may read the org's other keys and org-wide activity
+    manage: bool = False       # a management key: manages the org's keys, calls no model
+    expires_at: object = None  # aware UTC: refused from then on (the key's expiry, or the
+    #                            end of a rotated secret's grace period); None: never
+    key_in_flight_limit: int = None  # the key's own cap of requests in flight, or None
 
     @property
     def key_checks(self):
-        """Admission also counts this key (it has a spend limit or a request rate)."""
-        return self.limit_usd is not None or self.rpm_limit is not None
+        """Admission also counts this key (a spend limit, a request rate or its own in-flight
+        cap)."""
+        return (self.limit_usd is not None or self.rpm_limit is not None
+                or self.key_in_flight_limit is not None)
+
+    @property
+    def reads_org(self):
+        """The key may read its org's other keys (``org_read``, or a management key)."""
+        return self.org_read or self.manage
 
     def may_use(self, model_id):
         """Tell whether the key's allow-list admits ``model_id``."""
         return not self.allowed_models or model_id in self.allowed_models
 
+    def expired(self, now):
+        """Tell whether the key (or the rotated secret it was found by) has expired at
+        ``now``."""
+        return self.expires_at is not None and now >= self.expires_at
+
 
 def lookup(engine, key, default_limit):
-    """Return the :class:`Principal` for ``key`` in clear, or None when unknown."""
-    k = api_keys.c
+    """Return the :class:`Principal` for ``key`` in clear, or None when unknown: the key's
+    secret, or the secret it had before its last rotation (until that one's grace period
+    ends, which becomes the principal's ``expires_at`` when the key's own is not sooner)."""
+    k, digest = api_keys.c, hash_key(key)
     query = (sa.select(k.id, k.prefix, k.revoked_at, k.allowed_models, k.limit_usd,
-                       k.limit_reset, k.rpm_limit, k.org_read, orgs.c.id.label("org_id"),
-                       orgs.c.status,
+                       k.limit_reset, k.rpm_limit, k.org_read, k.manage, k.expires_at,
+                       k.in_flight_limit.label("key_in_flight_limit"), k.key_hash,
+                       k.previous_expires_at, orgs.c.id.label("org_id"), orgs.c.status,
                        orgs.c.in_flight_limit)
              .join(orgs, orgs.c.id == api_keys.c.org_id)
-             .where(api_keys.c.key_hash == hash_key(key)))
+             .where(sa.or_(k.key_hash == digest, k.previous_key_hash == digest)))
     with engine.connect() as conn:
         row = conn.execute(query).first()
     if row is None:
         return None
+    ends = [_aware(row.expires_at)]
+    if row.key_hash != digest:  # the rotated secret
+        ends.append(_aware(row.previous_expires_at) or utcnow())
+    ends = [t for t in ends if t is not None]
     return Principal(key_id=row.id, key_prefix=row.prefix, org_id=row.org_id,
                      org_status=row.status, revoked=row.revoked_at is not None,
                      allowed_models=frozenset((row.allowed_models or "").split()),
                      in_flight_limit=row.in_flight_limit or default_limit,
                      limit_usd=row.limit_usd, limit_reset=row.limit_reset,
-                     rpm_limit=row.rpm_limit, org_read=row.org_read)
+                     rpm_limit=row.rpm_limit, org_read=row.org_read, manage=row.manage,
+                     expires_at=min(ends) if ends else None,
+                     key_in_flight_limit=row.key_in_flight_limit)
+
+
+def _aware(ts):
+    """SQLite hands back naive datetimes; they are UTC."""
+    return ts if ts is None or ts.tzinfo else ts.replace(tzinfo=timezone.utc)
 
 
 def authenticate():
     """Resolve the request's key into a :class:`Principal`: ``Authorization: Bearer``, or,
     without that header, ``x-api-key`` (Anthropic's).
 
-    :raises Unauthorized: no key, or an unknown one (401).
+    :raises Unauthorized: no key, or an unknown one (401 ``invalid_api_key``); a key past its
+        ``expires_at``, or a rotated secret past its grace period (401 ``key_expired``, also
+        when the key's lookup is cached: the time is compared on every request).
     :raises Forbidden: a revoked key or a suspended org (403).
     """
     header = request.headers.get("Authorization", "")
@@ -109,6 +143,9 @@ def authenticate():
     principal = _cached_lookup(key) if _KEY_SHAPE.fullmatch(key) else None
     if principal is None:
         raise Unauthorized("Incorrect API key provided.")
+    if principal.expired(utcnow()):
+        raise Unauthorized(f"This API key expired at {principal.expires_at.isoformat()}.",
+                           code="key_expired")
     if principal.revoked:
         raise Forbidden("This API key has been revoked.", code="key_revoked")
     if principal.org_status != "active":
@@ -201,7 +238,7 @@ def require_key(view):
     return wrapper
 
 
-# -- views: the calling key and its org's keys ---------------------------------------------------
+# -- the calling key (the org's keys: gateway.api.keys) -------------------------------------------
 
 @bp.get("/key")
 @require_key
@@ -210,15 +247,3 @@ def current_key():
     limit, created and last-used times."""
     row = key_by_id(current_app.extensions["kiln.engine"], g.principal.key_id)
     return jsonify(key_view(row, utcnow()))
-
-
-@bp.get("/keys")
-@require_key
-def keys_of_org():
-    """List the caller's org's keys as ``GET /v1/key`` shows each (no secrets); a key without
-    ``org_read`` sees only itself."""
-    engine, principal = current_app.extensions["kiln.engine"], g.principal
-    rows = org_keys(engine, principal.org_id) if principal.org_read else \
-        [key_by_id(engine, principal.key_id)]
-    now = utcnow()
-    return jsonify({"object": "list", "data": [key_view(row, now) for row in rows]})

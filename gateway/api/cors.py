@@ -19,7 +19,7 @@ from flask import Response, current_app, request
 
 from ..errors import GENERATION_HEADER
 
-ALLOW_METHODS = "GET, POST, DELETE, OPTIONS"  # DELETE: a stored response
+ALLOW_METHODS = "GET, POST, PATCH, DELETE, OPTIONS"  # DELETE: a stored response, a key
 # Request headers the OpenAI and Anthropic SDKs (Python, JavaScript) send besides the
 # CORS-safelisted ones; Anthropic's JavaScript SDK asks browsers for the last one.
 ALLOW_HEADERS = frozenset({"authorization", "content-type", "accept", "user-agent",

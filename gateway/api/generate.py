@@ -31,10 +31,15 @@ def generate(codec, parse=None, on_answer=None):
 
 
 def check_model(model_id):
-    """Refuse a model outside the calling key's allow-list.
+    """Refuse a model outside the calling key's allow-list, and every model to a management
+    key (it manages keys: docs/KEYS.md).
 
-    :raises Forbidden: 403 ``model_not_allowed``.
+    :raises Forbidden: 403 ``model_not_allowed``; 403 ``management_key`` (a management key).
     """
+    if g.principal.manage:
+        raise Forbidden("A management key manages the organization's keys and cannot call "
+                        "models; use one of the keys it creates.", param="model",
+                        code="management_key")
     if not g.principal.may_use(model_id):
         raise Forbidden(f"This API key may not use model '{model_id}'.", param="model",
                         code="model_not_allowed")

@@ -16,12 +16,13 @@ ERROR_CODES = {
           "invalid_value", "empty_array", "unsupported_parameter", "upstream_rejected",
           "incomplete_body", "context_length_exceeded", "unknown_parameter",
           "invalid_image_url", "unsupported_endpoint", "export_too_large"],
-    401: ["invalid_api_key"],
+    401: ["invalid_api_key", "key_expired"],
     402: ["insufficient_credits", "key_limit_exceeded"],
-    403: ["key_revoked", "org_suspended", "model_not_allowed"],
+    403: ["key_revoked", "org_suspended", "model_not_allowed", "management_key",
+          "management_key_required", "operator_only", "permission_denied"],
     404: ["model_not_found", "not_found"],
     413: ["request_too_large"],
-    429: ["rate_limit_exceeded"],
+    429: ["rate_limit_exceeded", "key_in_flight_limit"],
     500: ["internal_error"],
     503: ["maintenance", "no_backend_available", "backends_at_capacity", "service_unavailable",
           "database_unavailable", "database_busy"],
@@ -30,14 +31,19 @@ ERROR_WHY = {
     400: "Invalid request: malformed JSON, a wrong type or range, an empty `messages` "
          "(`empty_array`), a parameter the model cannot honour (`unsupported_parameter`), or "
          "the model server rejected it (`upstream_rejected`). Fix the payload; do not retry.",
-    401: "Missing or unknown API key.",
+    401: "Missing or unknown API key; or a key past its `expires_at`, or a rotated secret past "
+         "its grace period (`key_expired`).",
     402: "The organization's available credits, or the key's spend limit "
          "(`key_limit_exceeded`), do not cover the request's hold.",
-    403: "Revoked key, suspended organization, or a model outside the key's allow-list.",
+    403: "Revoked key, suspended organization, or a model outside the key's allow-list; a "
+         "management key calling a model (`management_key`); a key managing keys without the "
+         "permission (`management_key_required`), or changing what only the operator may "
+         "(`operator_only`).",
     404: "Not found; for chat completions the model is not in the catalog.",
     413: "Request body over the size limit; refused from Content-Length before it is read.",
-    429: "The organization has its limit of requests in flight, or the key its requests per "
-         "minute. No rate-limit headers.",
+    429: "The organization has its limit of requests in flight, the key its requests per "
+         "minute, or the key its own limit of requests in flight (`key_in_flight_limit`). No "
+         "rate-limit headers.",
     500: "Unexpected error inside Kiln.",
     502: "The model backend returned an error or was unreachable (plain-text body); or its "
          "whole reply was larger than Kiln relays for the request (`upstream_too_large`, in "

@@ -52,7 +52,8 @@ def admit(services, principal, request, endpoint):
         model=request.entry.id, stream=request.stream, hold_nanos=hold,
         in_flight_limit=principal.in_flight_limit, lease_ttl_s=config.lease_ttl_s,
         key_checks=principal.key_checks, limit_usd=principal.limit_usd,
-        limit_reset=principal.limit_reset, endpoint=endpoint))
+        limit_reset=principal.limit_reset, endpoint=endpoint,
+        key_in_flight_limit=principal.key_in_flight_limit))
     services.metrics.admission.observe(time.monotonic() - t0)
     services.metrics.in_flight.inc()
     return Admission(gid, started_at, hold, t0, endpoint)

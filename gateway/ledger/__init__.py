@@ -17,7 +17,9 @@ Invariants, per org (``kiln credits reconcile`` checks them):
    balance never goes below zero.
 3. A usage event leaves ``pending`` once, under its row lock, and its lease goes with it; the
    sweeper settles only leases still expired once the event is locked.
-4. ``api_keys.held_nanos = Σ in_flight.key_hold_nanos`` of the key's leases, and
+4. ``api_keys.held_nanos = Σ in_flight.key_hold_nanos`` of the key's leases (a key's own
+   in-flight cap counts its lease rows, ``in_flight.api_key_id``, under its row lock: a lease
+   deleted by settlement, or by the sweeper through it, is the key's slot released), and
    ``usage_daily`` sums the settled events (written by the same settlement).
 
 Row locks are always taken in this order: usage events (by id), leases, balances (by org id),
@@ -58,7 +60,9 @@ log = logging.getLogger(__name__)
 ADMIT_ATTEMPTS = 4
 # Refusals that a settlement about to commit may lift (its slot and hold come back), and how
 # long to wait for another worker's before asking again.
-SETTLING_REASONS = frozenset({"in_flight", "credits", "key_limit"})
+SETTLING_REASONS = frozenset({"in_flight", "key_in_flight", "credits", "key_limit"})
+# Refusals for a count of leases, which expired leases (a dead worker's) may fill.
+LEASE_REASONS = frozenset({"in_flight", "key_in_flight"})
 RECHECK_S = 0.02
 ABANDONED_ERROR = "lease expired: the worker serving this request was lost"
 
@@ -79,8 +83,9 @@ class AdmissionRequest:
     hold_nanos: int
     in_flight_limit: int
     lease_ttl_s: float
-    key_checks: bool  # the key has a spend limit or a request rate: count it too
+    key_checks: bool  # the key has a spend limit, a request rate or an in-flight cap
     limit_usd: object = None   # the key's spend limit (Decimal USD), for messages
+    key_in_flight_limit: int = None  # the key's own in-flight cap, for messages
     limit_reset: str = None    # "daily", "weekly", "monthly" or None
     endpoint: str = "chat"     # the dialect the client spoke (gateway.dialects: a codec's name)
 
@@ -213,7 +218,8 @@ class Ledger:
         again, so their slots and holds come back without waiting for a sweep.
 
         :param request: :class:`AdmissionRequest`.
-        :raises RateLimited: 429, the org is at its in-flight limit, or the key at its rate.
+        :raises RateLimited: 429, the org is at its in-flight limit, or the key at its rate;
+            429 ``key_in_flight_limit``, the key is at its own in-flight cap.
         :raises InsufficientCredits: 402, the org's available credits do not cover the hold.
         :raises KeyLimitExceeded: 402, the key's spend limit does not cover the hold.
         :raises ServiceUnavailable: 503, the database is unreachable or too busy.
@@ -226,7 +232,7 @@ class Ledger:
             gid, started_at, reason, available, count, expired, remaining, period = row
             if gid is not None:
                 return gid, started_at
-            if reason == "in_flight" and expired and not reclaimed:
+            if reason in LEASE_REASONS and expired and not reclaimed:
                 reclaimed = True
                 self.sweep(org_id=request.org_id)
                 continue
@@ -236,7 +242,7 @@ class Ledger:
                     gevent.sleep(RECHECK_S)
                 continue
             if reason != "retry":
-                raise _rejection(reason, request, available, remaining, period)
+                raise _rejection(reason, request, available, remaining, period, count)
         raise RateLimited("Too many concurrent admissions for this organization. Retry with "
                           "backoff.")
 
@@ -346,10 +352,14 @@ class NullLedger:
         return 0
 
 
-def _rejection(reason, request, available, remaining, period):
+def _rejection(reason, request, available, remaining, period, count=None):
     if reason == "in_flight":
         return RateLimited(f"Too many requests in flight: this organization's limit is "
                            f"{request.in_flight_limit} at once. Retry with backoff.")
+    if reason == "key_in_flight":
+        return RateLimited(f"Too many requests in flight: this API key's limit is "
+                           f"{request.key_in_flight_limit or count} at once. Retry with "
+                           f"backoff.", code="key_in_flight_limit")
     if reason == "rate":
         return RateLimited("This API key is at its limit of requests per minute. Retry with "
                            "backoff.")

@@ -27,7 +27,9 @@ RESETS = ("daily", "weekly", "monthly")
 _COLUMNS = (api_keys.c.id, api_keys.c.prefix, api_keys.c.name, api_keys.c.created_at,
             api_keys.c.revoked_at, api_keys.c.last_used_at, api_keys.c.limit_usd,
             api_keys.c.limit_reset, api_keys.c.period_start, api_keys.c.period_spent_nanos,
-            api_keys.c.held_nanos, api_keys.c.rpm_limit, api_keys.c.org_read)
+            api_keys.c.held_nanos, api_keys.c.rpm_limit, api_keys.c.org_read,
+            api_keys.c.org_id, api_keys.c.allowed_models, api_keys.c.manage,
+            api_keys.c.expires_at, api_keys.c.in_flight_limit, api_keys.c.previous_expires_at)
 
 
 KEY_PREFIX = "kiln-"
@@ -39,6 +41,11 @@ def hash_key(key):
     return hashlib.sha256(key.encode()).hexdigest()
 
 
+def new_secret():
+    """Return a fresh key in clear: ``kiln-`` and 43 URL-safe characters (256 random bits)."""
+    return KEY_PREFIX + secrets.token_urlsafe(32)
+
+
 def create_key(conn, org_id, name=None, allowed_models=None, org_read=None, **limits):
     """Create a key for ``org_id`` and return it in clear (the only time it exists in clear).
 
@@ -46,16 +53,30 @@ def create_key(conn, org_id, name=None, allowed_models=None, org_read=None, **li
     :param org_read: the key may read the org's other keys and org-wide activity; None: unless
         it is restricted (a model allow-list or a spend limit).
     :param limits: ``limit_usd`` (Decimal USD), ``limit_reset`` (``daily``, ``weekly``,
-        ``monthly``), ``rpm_limit`` (requests per minute); absent or None: no limit.
+        ``monthly``), ``rpm_limit`` (requests per minute), ``in_flight_limit`` (requests at
+        once), ``expires_at`` (aware datetime), ``manage`` (may manage the org's keys: the
+        operator's to give); absent or None: no limit.
     """
-    key = KEY_PREFIX + secrets.token_urlsafe(32)
+    return create_key_row(conn, org_id, name, allowed_models, org_read, **limits)[1]
+
+
+def create_key_row(conn, org_id, name=None, allowed_models=None, org_read=None, **limits):
+    """Create a key as :func:`create_key` does; return ``(its id, the key in clear)``."""
+    key = new_secret()
     if org_read is None:
-        org_read = not allowed_models and limits.get("limit_usd") is None
-    conn.execute(api_keys.insert().values(
+        org_read = (not allowed_models and limits.get("limit_usd") is None) \
+            or bool(limits.get("manage"))
+    key_id = conn.execute(api_keys.insert().values(
         org_id=org_id, prefix=key[:PREFIX_LEN], key_hash=hash_key(key), name=name,
-        allowed_models=" ".join(sorted(allowed_models)) if allowed_models else None,
-        org_read=org_read, **limits))
-    return key
+        allowed_models=models_column(allowed_models), org_read=org_read,
+        **{k: v for k, v in limits.items() if v is not None}).returning(api_keys.c.id)
+    ).scalar_one()
+    return key_id, key
+
+
+def models_column(allowed_models):
+    """Return an allow-list as ``api_keys.allowed_models`` keeps it (None: every model)."""
+    return " ".join(sorted(set(allowed_models))) if allowed_models else None
 
 
 def revoke_key(conn, prefix):
@@ -99,7 +120,11 @@ def key_view(row, now):
 
     Amounts are exact decimal strings of USD; ``usage_usd`` is the current period's spend,
     ``held_usd`` the holds of its requests in flight, ``remaining_usd`` the limit less both
-    (None without a limit); times are ISO 8601 UTC.
+    (None without a limit); times are ISO 8601 UTC. ``id`` is the key's stable id (the keys
+    API's paths; a rotation keeps it), ``models`` its allow-list (None: every model),
+    ``in_flight_limit`` its own cap (None: only the org's), ``expires_at`` when it stops
+    working, ``previous_key_expires_at`` when the secret it had before its last rotation stops
+    working (None once it has), ``manage`` whether it may manage the org's keys.
     """
     usage = key_usage(row, now)
     return {
@@ -111,7 +136,16 @@ def key_view(row, now):
         "rate_limit": None if row.rpm_limit is None else {"requests_per_minute": row.rpm_limit},
         "created_at": _iso(row.created_at), "last_used_at": _iso(row.last_used_at),
         "revoked": row.revoked_at is not None, "org_read": row.org_read,
+        "id": row.id, "models": row.allowed_models.split() if row.allowed_models else None,
+        "in_flight_limit": row.in_flight_limit, "expires_at": _iso(row.expires_at),
+        "previous_key_expires_at": _previous_until(row, now), "manage": row.manage,
     }
+
+
+def _previous_until(row, now):
+    """When the secret before the last rotation stops working, while it still works."""
+    until = _utc(row.previous_expires_at)
+    return None if until is None or until <= now else until.isoformat()
 
 
 def org_keys(engine, org_id):
@@ -128,29 +162,12 @@ def key_by_id(engine, key_id):
         return conn.execute(sa.select(*_COLUMNS).where(api_keys.c.id == key_id)).one()
 
 
-# -- operator changes (kiln key set) -------------------------------------------------------------
+# -- a new reset period (kiln key set, PATCH /v1/keys/{id}) ---------------------------------------
 
-def set_limits(engine, prefix, changes):
-    """Apply ``changes`` (``limit_usd``, ``limit_reset``, ``rpm_limit``; None clears) to the key
-    with display ``prefix``; return whether there was one.
-
-    A new reset period starts now: the key's spend is recounted from its settled events since
-    the new period's start (all of them when it never resets), under the key's row lock, which
-    settlement takes too; a settlement waiting on it adds its cost to the recounted spend.
-    """
-    with engine.begin() as conn:
-        row = conn.execute(sa.select(api_keys.c.id, api_keys.c.limit_reset)
-                           .where(api_keys.c.prefix == prefix).with_for_update()).first()
-        if row is None:
-            return False
-        values = dict(changes)
-        if "limit_reset" in changes and changes["limit_reset"] != row.limit_reset:
-            values.update(_recount(conn, row.id, changes["limit_reset"]))
-        conn.execute(api_keys.update().where(api_keys.c.id == row.id).values(**values))
-    return True
-
-
-def _recount(conn, key_id, reset):
+def recount(conn, key_id, reset):
+    """Return the ``period_start`` and ``period_spent_nanos`` of a key whose reset becomes
+    ``reset`` now: its settled events' costs since the new period's start (all of them when it
+    never resets)."""
     start = period_start(reset, utcnow())
     ev = usage_events.c
     spent = sa.select(sa.func.coalesce(sa.func.sum(ev.cost_nanos), 0)).where(

@@ -54,6 +54,7 @@ DECLARE
   v_spent bigint;
   v_limit bigint;
   v_rate integer;
+  v_leases integer;
   v_minute timestamptz := date_trunc('minute', v_now);
 BEGIN
   -- Not durable at once: an admission lost in a crash is written by its settlement.
@@ -80,15 +81,25 @@ BEGIN
                     ELSE v_key.period_spent_nanos END;
     v_limit := CAST(ROUND(v_key.limit_usd * 1000000000) AS bigint);
     v_rate := CASE WHEN v_key.rate_window = v_minute THEN v_key.rate_count ELSE 0 END;
-    IF (v_key.rpm_limit IS NOT NULL AND v_rate >= v_key.rpm_limit)
+    -- The key's in-flight cap counts its lease rows, read under the key's row lock (a new
+    -- snapshot per statement: every admission that held the lock before has committed its
+    -- lease); a lease deleted anywhere (settlement, the sweeper) no longer counts.
+    SELECT count(*) INTO v_leases FROM in_flight f
+     WHERE v_key.in_flight_limit IS NOT NULL AND f.api_key_id = p_key;
+    IF (v_key.in_flight_limit IS NOT NULL AND v_leases >= v_key.in_flight_limit)
+       OR (v_key.rpm_limit IS NOT NULL AND v_rate >= v_key.rpm_limit)
        OR (v_limit IS NOT NULL AND v_spent + v_key.held_nanos + p_hold > v_limit) THEN
       -- Give the org's slot and hold back: this statement holds its row lock, nobody saw them.
       UPDATE credit_balances b SET in_flight = b.in_flight - 1,
                                    held_nanos = b.held_nanos - p_hold WHERE b.org_id = p_org;
       RETURN QUERY SELECT NULL::text, NULL::timestamptz,
-        CASE WHEN v_key.rpm_limit IS NOT NULL AND v_rate >= v_key.rpm_limit THEN 'rate'
+        CASE WHEN v_key.in_flight_limit IS NOT NULL AND v_leases >= v_key.in_flight_limit
+             THEN 'key_in_flight'
+             WHEN v_key.rpm_limit IS NOT NULL AND v_rate >= v_key.rpm_limit THEN 'rate'
              ELSE 'key_limit' END,
-        NULL::bigint, NULL::integer, false, v_limit - v_spent - v_key.held_nanos, v_period;
+        NULL::bigint, v_leases,
+        EXISTS (SELECT 1 FROM in_flight f WHERE f.api_key_id = p_key AND f.expires_at < v_now),
+        v_limit - v_spent - v_key.held_nanos, v_period;
       RETURN;
     END IF;
     UPDATE api_keys k SET period_start = v_period, period_spent_nanos = v_spent,
@@ -99,9 +110,10 @@ BEGIN
   INSERT INTO usage_events (id, org_id, api_key_id, model, stream, status, hold_nanos,
                             started_at, endpoint)
   VALUES (p_gid, p_org, p_key, p_model, p_stream, '{PENDING}', p_hold, v_now, p_endpoint);
-  INSERT INTO in_flight (generation_id, org_id, hold_nanos, key_hold_nanos, expires_at)
+  INSERT INTO in_flight (generation_id, org_id, hold_nanos, key_hold_nanos, expires_at,
+                         api_key_id)
   VALUES (p_gid, p_org, p_hold, CASE WHEN p_key_checks THEN p_hold ELSE 0 END,
-          v_now + p_ttl_s * interval '1 second');
+          v_now + p_ttl_s * interval '1 second', p_key);
   RETURN QUERY SELECT p_gid, v_now, NULL::text, NULL::bigint, NULL::integer, false,
                       NULL::bigint, NULL::timestamptz;
 END $$"""

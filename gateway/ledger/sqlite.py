@@ -65,7 +65,7 @@ class SqliteStore:
             conn.execute(in_flight.insert().values(
                 generation_id=a.gid, org_id=a.org_id, hold_nanos=a.hold_nanos,
                 key_hold_nanos=a.hold_nanos if a.key_checks else 0,
-                expires_at=now + timedelta(seconds=a.lease_ttl_s)))
+                expires_at=now + timedelta(seconds=a.lease_ttl_s), api_key_id=a.key_id))
         return _row(gid=a.gid, started_at=now)
 
     def admit_batch(self, requests):
@@ -92,6 +92,9 @@ class SqliteStore:
         limit = None if k.limit_usd is None else int(round(k.limit_usd * NANOS))
         minute = now.replace(second=0, microsecond=0)
         rate = k.rate_count if _aware(k.rate_window) == minute else 0
+        refused = self._key_in_flight(conn, k, now)
+        if refused is not None:
+            return refused
         if k.rpm_limit is not None and rate >= k.rpm_limit:
             return _row(reason="rate", key_remaining=None, period_start=period)
         if limit is not None and spent + k.held_nanos + a.hold_nanos > limit:
@@ -102,6 +105,19 @@ class SqliteStore:
             held_nanos=api_keys.c.held_nanos + a.hold_nanos, rate_window=minute,
             rate_count=rate + 1))
         return None
+
+    def _key_in_flight(self, conn, k, now):
+        """Refuse when the key's lease rows reach its in-flight cap (as ``kiln_admit``)."""
+        if k.in_flight_limit is None:
+            return None
+        f = in_flight.c
+        leases, expired = conn.execute(sa.select(
+            sa.func.count(), sa.func.coalesce(sa.func.max(
+                sa.case((f.expires_at < now, 1), else_=0)), 0))
+            .where(f.api_key_id == k.id)).one()
+        if leases < k.in_flight_limit:
+            return None
+        return _row(reason="key_in_flight", in_flight=leases, expired=bool(expired))
 
     def settle_batch(self, settlements):
         debited = {}

@@ -25,7 +25,9 @@ from ..ledger import Ledger
 from ..ledger import keys
 from ..ledger import responses as stored_responses
 from ..ledger.operator import GRANT, org_credits
-from ..ledger.keys import org_keys, set_limits
+from ..ledger import key_admin
+from ..ledger.key_admin import set_limits
+from ..ledger.keys import org_keys
 from ..models import api_keys, credit_balances, orgs
 from ..ledger.reconcile import format_table, reconcile
 
@@ -180,16 +182,24 @@ def key():
 @click.option("--org-read/--no-org-read", "org_read", default=None,
               help="May read the org's other keys and org-wide activity (default: unless "
                    "--models or --limit restrict the key).")
+@click.option("--in-flight", "in_flight", type=POSITIVE_INTEGER, default=None,
+              help="The key's own cap of requests in flight (the org's applies too).")
+@click.option("--manage", is_flag=True,
+              help="A management key: manages the org's keys through the keys API "
+                   "(docs/KEYS.md); it calls no model.")
 @pass_ctx
-def key_create(ctx, org_ref, label, models, limit_text, reset, rpm, org_read):
+def key_create(ctx, org_ref, label, models, limit_text, reset, rpm, org_read, in_flight,
+               manage):
     """Create a key for ORG_REF; the key is the last line of stdout (shown only this once)."""
     limit = None if limit_text is None else parse_limit_usd(limit_text, is_postgres(ctx.engine))
     org_id = find_org(ctx.engine, org_ref)
     allowed = allow_list(ctx, models)
-    with ctx.engine.begin() as conn:
-        secret = keys.create_key(conn, org_id, name=label, allowed_models=allowed,
-                                 limit_usd=limit, limit_reset=None if reset == "never" else reset,
-                                 rpm_limit=rpm, org_read=org_read)
+    values = {"name": label, "allowed_models": allowed, "limit_usd": limit,
+              "limit_reset": None if reset == "never" else reset, "rpm_limit": rpm,
+              "org_read": org_read, "in_flight_limit": in_flight, "manage": manage or None}
+    _key_id, secret = key_admin.create(
+        ctx.engine, org_id, {k: v for k, v in values.items() if v is not None},
+        key_admin.OPERATOR)
     click.echo(f"# key prefix {secret[:keys.PREFIX_LEN]}; store the key now, it is not kept",
                err=True)
     click.echo(secret)
@@ -216,12 +226,16 @@ def allow_list(ctx, models):
 @click.option("--no-rpm", is_flag=True, help="Remove the request rate limit.")
 @click.option("--org-read/--no-org-read", "org_read", default=None,
               help="Whether the key may read the org's other keys and org-wide activity.")
+@click.option("--in-flight", "in_flight", type=POSITIVE_INTEGER, default=None,
+              help="The key's own cap of requests in flight.")
+@click.option("--no-in-flight", is_flag=True, help="Remove the key's own in-flight cap.")
 @pass_ctx
-def key_set(ctx, prefix, limit_text, reset, rpm, no_limit, no_rpm, org_read):
+def key_set(ctx, prefix, limit_text, reset, rpm, no_limit, no_rpm, org_read, in_flight,
+            no_in_flight):
     """Change the limits of the key PREFIX; a new --reset starts a new period now (its spend
     counted again from the key's usage events since that period's start)."""
     changes = limit_changes(limit_text, reset, rpm, no_limit, no_rpm, is_postgres(ctx.engine),
-                            org_read)
+                            org_read, in_flight, no_in_flight)
     if not set_limits(ctx.engine, prefix, changes):
         raise click.ClickException(f"no key with prefix {prefix!r}")
     click.echo(f"updated {prefix}")
@@ -242,9 +256,8 @@ def key_list(ctx, org_ref):
 @pass_ctx
 def key_revoke(ctx, prefix):
     """Revoke the key whose display prefix is PREFIX."""
-    with ctx.engine.begin() as conn:
-        if not keys.revoke_key(conn, prefix):
-            raise click.ClickException(f"no active key with prefix {prefix!r}")
+    if not key_admin.revoke_prefix(ctx.engine, prefix):
+        raise click.ClickException(f"no active key with prefix {prefix!r}")
     click.echo(f"revoked {prefix}")
 
 

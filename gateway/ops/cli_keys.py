@@ -59,13 +59,15 @@ def limit_options(command):
     return command
 
 
-def limit_changes(limit_text, reset, rpm, no_limit, no_rpm, postgres, org_read=None):
+def limit_changes(limit_text, reset, rpm, no_limit, no_rpm, postgres, org_read=None,
+                  in_flight=None, no_in_flight=False):
     """Return the ``api_keys`` values ``kiln key set`` changes (None clears one; ``org_read``
     None leaves it).
 
     :raises click.UsageError: nothing to change, or a value given with its ``--no-`` flag.
     """
-    if limit_text is not None and no_limit or rpm is not None and no_rpm:
+    if limit_text is not None and no_limit or rpm is not None and no_rpm \
+            or in_flight is not None and no_in_flight:
         raise click.UsageError("give either a value or its --no- flag, not both")
     changes = {}
     if limit_text is not None or no_limit:
@@ -74,11 +76,14 @@ def limit_changes(limit_text, reset, rpm, no_limit, no_rpm, postgres, org_read=N
         changes["limit_reset"] = None if reset == "never" else reset
     if rpm is not None or no_rpm:
         changes["rpm_limit"] = None if no_rpm else rpm
+    if in_flight is not None or no_in_flight:
+        changes["in_flight_limit"] = None if no_in_flight else in_flight
     if org_read is not None:
         changes["org_read"] = org_read
     if not changes:
-        raise click.UsageError("nothing to change: give --limit, --reset, --rpm, --no-limit, "
-                               "--no-rpm or --org-read/--no-org-read")
+        raise click.UsageError("nothing to change: give --limit, --reset, --rpm, --in-flight, "
+                               "--no-limit, --no-rpm, --no-in-flight or "
+                               "--org-read/--no-org-read")
     return changes
 
 

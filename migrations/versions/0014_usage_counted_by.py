@@ -37,8 +37,6 @@ CHANGES = (
 
 def upgrade():
     postgres = op.get_bind().dialect.name == "postgresql"
-    if postgres:
-        op.execute("SET LOCAL lock_timeout = '5s'")  # a moment's lock, or fail and retry
     for name in COLUMNS:
         op.add_column("usage_events", sa.Column(name, sa.String(16), nullable=True))
     if postgres:

@@ -1,5 +1,6 @@
 """Keys people hand out: ``kiln key create/set/list`` on both dialects (the real console script),
 and ``GET /v1/key`` / ``GET /v1/keys`` through the real gateway on Postgres."""
+import json
 import os
 import subprocess
 import sys
@@ -371,3 +372,37 @@ def test_a_restricted_key_reads_only_itself_until_given_org_read(start_gateway, 
                         headers={"Authorization": f"Bearer {org.key}"}).json()["scope"] == "org"
     kiln(gw.env["KILN_DATABASE_URL"], "key", "set", bot[:12], "--org-read")
     wait_until(lambda: len(listed(bot)) == 4)
+
+
+def test_the_operator_creates_a_management_key_and_every_change_is_recorded(db):
+    """``kiln key create --manage`` makes a management key (it reads the org's keys);
+    ``--in-flight`` caps a key; create, set and revoke are each a row of ``key_changes`` by the
+    operator, which the database keeps append-only."""
+    _dialect, url, engine = db
+    _secret, admin = create(url, "--manage", "--label", "admin")
+    _bot, bot = create(url, "--in-flight", "3", "--limit", "2")
+    assert (key_row(engine, admin)["manage"], key_row(engine, admin)["org_read"]) == (True, True)
+    assert (key_row(engine, bot)["manage"], key_row(engine, bot)["in_flight_limit"]) == \
+        (False, 3)
+    kiln(url, "key", "set", bot, "--rpm", "9")
+    kiln(url, "key", "set", bot, "--no-in-flight")
+    assert key_row(engine, bot)["in_flight_limit"] is None
+    kiln(url, "key", "revoke", bot)
+    kiln(url, "key", "revoke", bot, code=1)  # already revoked: nothing more recorded
+    with engine.connect() as conn:
+        rows = conn.execute(sa.text(
+            "SELECT k.prefix, c.action, c.actor, c.actor_key_id, c.changes FROM key_changes c "
+            "JOIN api_keys k ON k.id = c.api_key_id ORDER BY c.id")).all()
+    assert [(r.prefix, r.action, r.actor, r.actor_key_id) for r in rows] == [
+        (admin, "create", "operator", None), (bot, "create", "operator", None),
+        (bot, "update", "operator", None), (bot, "update", "operator", None),
+        (bot, "revoke", "operator", None)]
+    assert json.loads(rows[0].changes) == {"name": "admin", "manage": True}
+    assert json.loads(rows[1].changes) == {"in_flight_limit": 3, "limit_usd": "2"}
+    assert json.loads(rows[2].changes) == {"rpm_limit": 9}
+    assert json.loads(rows[3].changes) == {"in_flight_limit": None}
+    for statement in ("UPDATE key_changes SET actor = 'key'", "DELETE FROM key_changes"):
+        with pytest.raises(sa.exc.DBAPIError, match="append-only"), engine.begin() as conn:
+            conn.execute(sa.text(statement))
+    with engine.connect() as conn:
+        assert conn.execute(sa.text("SELECT count(*) FROM key_changes")).scalar_one() == 5

@@ -21,6 +21,7 @@ import sys
 import threading
 import time
 import uuid
+from datetime import datetime, timedelta, timezone
 from decimal import Decimal
 from pathlib import Path
 
@@ -30,6 +31,7 @@ import sqlalchemy as sa
 
 from factories import MESSAGES
 from fake_upstream import Gate, chat_chunk, chat_completion, json_reply, make_usage, sse
+from gateway.models import in_flight
 from gateway_proc import Gateway, balance_nanos, make_org, migrate, wait_until
 from pg_cluster import Cluster
 
@@ -545,3 +547,47 @@ def test_the_database_refuses_a_grant_that_is_not_an_amount(ledger_db, amount):
     with engine.connect() as conn:
         assert conn.execute(sa.text("SELECT balance_nanos FROM credit_balances WHERE "
                                     "org_id = :o"), {"o": org.id}).scalar_one() == 10**9 + 1
+
+
+def test_a_keys_in_flight_cap_counts_its_leases_and_every_ending_releases_one(ledger_db):
+    """A key capped at 2 in flight (its org at 8): a third admission is refused
+    ``key_in_flight`` and leaves nothing; a settlement gives a slot back; leases expired (a
+    dead worker's) are released by the sweeper, through the same settlement."""
+    ledger, engine, org, key_id = ledger_db
+    with engine.begin() as conn:
+        conn.execute(sa.text("UPDATE api_keys SET in_flight_limit = 2 WHERE id = :k"),
+                     {"k": key_id})
+    first, second = (_admit(ledger, org, key_id, key_checks=True) for _ in range(2))
+    assert first and second
+    before = _lease_state(engine, org, key_id)
+    third = _admit_row(ledger, org, key_id)
+    assert (third[0], third[2], third[4]) == (None, "key_in_flight", 2)
+    assert _lease_state(engine, org, key_id) == before == (2, 2)
+    assert ledger.store.settle_batch([_settlement(first, org, key_id, 1, 1, 400)])
+    again = _admit(ledger, org, key_id, key_checks=True)
+    assert again and _admit_row(ledger, org, key_id)[2] == "key_in_flight"
+    with engine.begin() as conn:
+        conn.execute(in_flight.update().where(in_flight.c.api_key_id == key_id)
+                     .values(expires_at=datetime.now(timezone.utc) - timedelta(minutes=1)))
+    refused = _admit_row(ledger, org, key_id)
+    assert refused[2] == "key_in_flight" and refused[5] is True  # expired leases seen
+    assert ledger.sweep(org_id=org.id) == 2
+    assert _lease_state(engine, org, key_id) == (0, 0)
+    assert _admit(ledger, org, key_id, key_checks=True)
+
+
+def _admit_row(ledger, org, key_id):
+    from gateway.ledger import AdmissionRequest
+    return ledger.store.admit_once(AdmissionRequest(
+        gid="gen-" + uuid.uuid4().hex[:24], org_id=org.id, key_id=key_id, model="fake-model",
+        stream=True, hold_nanos=1_000_000, in_flight_limit=8, lease_ttl_s=60, key_checks=True))
+
+
+def _lease_state(engine, org, key_id):
+    """``(the key's lease rows, the org's in-flight count)``."""
+    with engine.connect() as conn:
+        leases = conn.execute(sa.select(sa.func.count()).select_from(in_flight)
+                              .where(in_flight.c.api_key_id == key_id)).scalar_one()
+        count = conn.execute(sa.text("SELECT in_flight FROM credit_balances WHERE org_id = :o"),
+                             {"o": org.id}).scalar_one()
+    return leases, count
