@@ -187,6 +187,8 @@ def main():
     _, setup = _read_message(stdin)
     models_path, max_body_bytes = pickle.loads(setup)
     catalog = load_catalog(models_path)  # bodies only: no backend is called, no key read
+    from .. import dialects  # noqa: F401 - imported before READY, so no check pays for it
+    from ..contract import json_body, validation  # noqa: F401
     stdout.write(READY)
     stdout.flush()
     while True:

@@ -91,7 +91,7 @@ def test_more_messages_than_the_context_window_has_tokens_cannot_fit(kiln, org):
 def checker(kiln):
     app, _ = kiln
     process = BodyProcess(app.config["KILN"].models, app.config["KILN"].max_body_bytes,
-                          timeout_s=1)
+                          timeout_s=3)  # a check takes milliseconds; a loaded host, more
     process.start()
     yield process
     process.stop()
