@@ -48,6 +48,7 @@ from ..billing import MAX_TOKENS_COUNT, Usage, cost_nanos, format_usd
 from ..db import is_postgres
 from ..errors import DatabaseBusy, DatabaseUnavailable, InsufficientCredits, RateLimited
 from ..endings import LEASE_EXPIRED, Status
+from . import outbox
 from .postgres import PostgresStore
 from .sqlite import SqliteStore
 from .worker import Admitter, Renewer, SettlementWriter
@@ -59,6 +60,8 @@ ADMIT_ATTEMPTS = 4
 # long to wait for another worker's before asking again.
 SETTLING_REASONS = frozenset({"in_flight", "credits", "key_limit"})
 RECHECK_S = 0.02
+# Refusals (402) that webhooks announce: the org's credits, the key's spend limit.
+WEBHOOK_REASONS = frozenset({"credits", "key_limit"})
 ABANDONED_ERROR = "lease expired: the worker serving this request was lost"
 
 
@@ -233,6 +236,8 @@ class Ledger:
                     gevent.sleep(RECHECK_S)
                 continue
             if reason != "retry":
+                if reason in WEBHOOK_REASONS:
+                    self._record_refusal(reason, request)
                 raise _rejection(reason, request, available, remaining, period)
         raise RateLimited("Too many concurrent admissions for this organization. Retry with "
                           "backoff.")
@@ -245,6 +250,19 @@ class Ledger:
         except (sa.exc.DBAPIError, psycopg.Error, OSError) as err:
             log.error("admission failed: database unavailable: %s", err)
             raise DatabaseUnavailable() from err
+
+    def _record_refusal(self, reason, request):
+        """Write the webhook events of a 402 (``credits.refused``, ``key.limit_reached``) in
+        one short transaction (Postgres; :mod:`.outbox`). A failure is logged, never the
+        client's: the refusal is told all the same."""
+        if not isinstance(self.store, PostgresStore):
+            return
+        try:
+            with self.store.engine.begin() as conn:
+                outbox.record_refusal(conn, reason, request.org_id, request.key_id,
+                                      request.hold_nanos)
+        except (sa.exc.SQLAlchemyError, psycopg.Error, OSError):
+            log.exception("webhook event of a refusal (%s) not written", reason)
 
     def _settle_orphan(self, request, row):
         """Settle at once an admission that came back after its request gave up waiting (the
