@@ -82,7 +82,8 @@ class Config:
     # Webhooks (docs/WEBHOOKS.md; Postgres only): how often each worker looks for due events and
     # how many it takes at once; a receiver's time to answer; the first wait before a failed
     # delivery is tried again (doubling up to the longest) and the attempts before an event is
-    # marked failed; how soon before a key's expiry ``key.expiring`` is sent; whether
+    # marked failed; how soon before a key's expiry ``key.expiring`` is sent, and how often
+    # each worker looks for such keys; whether
     # ``kiln webhook add`` takes URLs whose host is a private or loopback address.
     webhook_poll_s: float = 2.0
     webhook_batch: int = 20
@@ -91,6 +92,7 @@ class Config:
     webhook_backoff_max_s: float = 3600.0
     webhook_max_attempts: int = 10
     webhook_key_expiring_s: float = 7 * 24 * 3600.0
+    webhook_expiring_scan_s: float = 60.0
     webhook_allow_private: bool = False
 
     @classmethod

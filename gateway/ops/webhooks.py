@@ -39,7 +39,6 @@ SECRET_PREFIX = "whsec_"
 SECRET_BYTES = 32  # the specification asks for 24 to 64
 USER_AGENT = "Kiln-Webhooks/1"
 MAX_ERROR_CHARS = 500
-EXPIRING_EVERY_S = 60.0  # how often a worker looks for keys about to expire
 
 
 def new_secret():
@@ -183,7 +182,7 @@ class Deliverer:
         now = time.monotonic()
         if now < self._expiring_at:
             return
-        self._expiring_at = now + EXPIRING_EVERY_S
+        self._expiring_at = now + self.config.webhook_expiring_scan_s
         outbox.scan_expiring(self.engine, self.config.webhook_key_expiring_s)
 
 
