@@ -98,15 +98,16 @@ def check_url(url, allow_private=False, resolve=socket.getaddrinfo):
                             f"({address}); allow it with --allow-private")
 
 
-def deliver(session, row, timeout_s):
+def deliver(session, row, timeout_s, allow_private=False):
     """Post one claimed event; return its outcome: ``delivered`` (a 2xx answer),
     ``status_code`` (None: no answer), ``error`` (text or None), ``duration_ms``. Redirects
-    are not followed (a 3xx is a failure)."""
+    are not followed (a 3xx is a failure); a URL whose host now resolves to a private address
+    fails, unless the webhook (``allow_private``) or the setting allows it."""
     started = time.monotonic()
     body = row["payload"].encode()
     status, error = None, None
     try:
-        check_url(row["url"], row["allow_private"])
+        check_url(row["url"], allow_private or row["allow_private"])
         response = session.post(row["url"], data=body, timeout=timeout_s,
                                 headers=headers(row["secret"], f"msg_{row['id']}", body),
                                 allow_redirects=False)
@@ -163,7 +164,8 @@ class Deliverer:
         return len(rows)
 
     def _attempt(self, row):
-        outcome = deliver(self.session, row, self.config.webhook_timeout_s)
+        outcome = deliver(self.session, row, self.config.webhook_timeout_s,
+                          self.config.webhook_allow_private)
         status = outbox.finish(self.engine, row, outcome, self.retry)
         if outcome["error"] is not None:
             log.warning("webhook msg_%s (%s) attempt %d to %s failed: %s", row["id"],

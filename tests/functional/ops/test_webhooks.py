@@ -383,3 +383,26 @@ def test_a_webhook_removed_takes_its_events_and_log(wh_engine):
     with wh_engine.begin() as conn:
         conn.execute(sa.text("DELETE FROM webhooks WHERE id = :w"), {"w": hook})
     assert outbox(wh_engine, hook) == []
+
+
+def test_a_failing_deliverer_is_named_by_readyz_and_restarted(start, wh_engine):
+    """The deliverer is a background greenlet like the ledger's: a database error stops it for
+    a backoff, ``/readyz`` names it meanwhile, and it runs again."""
+    gw = start()
+
+    def ready():
+        answer = requests.get(gw.base_url + "/readyz", timeout=10)
+        return answer.status_code, answer.json()
+    wait_until(lambda: ready()[0] == 200, timeout_s=DEADLINE_S)
+    with wh_engine.begin() as conn:
+        conn.execute(sa.text("ALTER TABLE webhook_outbox RENAME TO webhook_outbox_away"))
+    try:
+        status, body = wait_until(lambda: (r := ready())[0] == 503 and r, timeout_s=DEADLINE_S)
+        assert "webhooks" in body["background"], body
+    finally:
+        with wh_engine.begin() as conn:
+            conn.execute(sa.text("ALTER TABLE webhook_outbox_away RENAME TO webhook_outbox"))
+    wait_until(lambda: ready()[0] == 200, timeout_s=DEADLINE_S)
+    restarts = re.search(r'^kiln_background_restarts_total\{name="webhooks"\} (\S+)$',
+                         requests.get(gw.base_url + "/metrics", timeout=10).text, re.M)
+    assert restarts is not None and float(restarts.group(1)) >= 1
