@@ -2,7 +2,8 @@
 
 Admission (hold + lease + pending usage event), renewal of live leases, settlement (exactly
 once per generation), the sweeper, credit grants and reconciliation's reads all live here; the
-dialects' statements are in :mod:`.postgres` and :mod:`.sqlite`. The request flow
+dialects' statements are in :mod:`.postgres` and :mod:`.sqlite`; the webhook outbox that
+settlements, grants and refusals write to is in :mod:`.outbox`. The request flow
 (:mod:`gateway.flow.generation`) calls it; nothing else writes money.
 
 May import only the shared modules at the top of ``gateway`` (tables, money math, statuses):
