@@ -110,9 +110,9 @@ def deliver(session, row, timeout_s, allow_private=False):
         check_url(row["url"], allow_private or row["allow_private"])
         response = session.post(row["url"], data=body, timeout=timeout_s,
                                 headers=headers(row["secret"], f"msg_{row['id']}", body),
-                                allow_redirects=False)
+                                allow_redirects=False, stream=True)
         status = response.status_code
-        response.close()
+        response.close()  # the answer's body is never read: a receiver cannot make it cost
         if not 200 <= status < 300:
             error = f"HTTP {status}"
     except (requests.RequestException, UnsafeURL, ValueError) as err:
@@ -156,9 +156,11 @@ class Deliverer:
                                       2 * c.webhook_timeout_s + 30, c.webhook_max_attempts)
         if given_up and self.metrics is not None:
             self.metrics.webhooks_failed.labels("unknown").inc(given_up)
-        for row in rows:
-            self.pool.spawn(self._attempt, row)
-        self.pool.join()
+        attempts = [self.pool.spawn(self._attempt, row) for row in rows]
+        gevent.joinall(attempts)
+        for attempt in attempts:
+            if attempt.exception is not None:  # recording it failed: the claim lapses, and
+                raise attempt.exception        # the greenlet is restarted (and /readyz says so)
         if self.metrics is not None:
             self.metrics.webhook_outbox_depth.set(outbox.depth(self.engine))
         return len(rows)
@@ -189,10 +191,14 @@ class Deliverer:
 
 
 def start_deliverer(app):
-    """Start this worker's deliverer greenlet (once; Postgres only: on SQLite there is none)."""
-    services = app.extensions["kiln"]
+    """Start this worker's deliverer greenlet (once; Postgres only: on SQLite there is none).
+    ``app`` is what gunicorn serves: an app that is not Kiln's (a test's own WSGI app under
+    the same gunicorn config) has none either."""
+    services = getattr(app, "extensions", {}).get("kiln")
+    if services is None or not is_postgres(services.engine):
+        return
     state = app.extensions.setdefault("kiln.webhooks", {})
-    if state.get("deliverer") is not None or not is_postgres(services.engine):
+    if state.get("deliverer") is not None:
         return
     deliverer = state["deliverer"] = Deliverer(services.engine, services.config,
                                                services.metrics)
