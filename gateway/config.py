@@ -83,8 +83,8 @@ class Config:
     # how many it takes at once; a receiver's time to answer; the first wait before a failed
     # delivery is tried again (doubling up to the longest) and the attempts before an event is
     # marked failed; how soon before a key's expiry ``key.expiring`` is sent, and how often
-    # each worker looks for such keys; whether
-    # ``kiln webhook add`` takes URLs whose host is a private or loopback address.
+    # each worker looks for such keys; whether ``kiln webhook add`` (and delivery) take URLs
+    # whose host is a private or loopback address.
     webhook_poll_s: float = 2.0
     webhook_batch: int = 20
     webhook_timeout_s: float = 10.0

@@ -1,12 +1,13 @@
 """Webhook signatures and URLs (docs/WEBHOOKS.md): the Standard Webhooks signature checked
 against the reference library's own test vector, and the addresses ``kiln webhook add``
-refuses."""
+refuses; on SQLite no worker delivers."""
 import base64
 import socket
 
 import pytest
 
-from gateway.ops.webhooks import UnsafeURL, check_url, headers, new_secret, sign
+from gateway.ops.webhooks import (UnsafeURL, check_url, headers, new_secret, sign,
+                                  start_deliverer)
 
 # The sign test of the Standard Webhooks reference library (github.com/standard-webhooks/
 # standard-webhooks, libraries/python/tests/test_webhooks.py, test_sign_function).
@@ -86,3 +87,10 @@ def test_a_host_that_does_not_resolve_is_refused():
         raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
     with pytest.raises(UnsafeURL, match="does not resolve"):
         check_url("https://nowhere.example/x", resolve=fails)
+
+
+def test_no_deliverer_on_sqlite(kiln):
+    app, _ = kiln
+    start_deliverer(app)
+    assert app.extensions.get("kiln.webhooks", {}).get("deliverer") is None
+
