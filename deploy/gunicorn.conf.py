@@ -114,6 +114,10 @@ def post_worker_init(worker):
     hub.NOT_ERROR = tuple(hub.NOT_ERROR) + (GatewayError,)
     util.write_error = _write_error_envelope
     gevent.spawn(_end_generations_before_the_kill, worker)
+    # Webhooks are delivered by every worker from its start, not from its first request
+    # (docs/WEBHOOKS.md).
+    from gateway.ops import webhooks
+    webhooks.start_deliverer(worker.wsgi)
 
 
 def _write_error_envelope(sock, status_int, reason, mesg):

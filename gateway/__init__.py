@@ -18,7 +18,7 @@ def create_app(config=None, environ=None):
     from .backends import health
     from .dialects.responses import ResponsesCodec
     from .errors import register_error_handlers
-    from .ops import lifecycle
+    from .ops import lifecycle, webhooks
     if not isinstance(config, Config):
         config = Config.from_mapping(config)
     app = Flask(__name__)
@@ -39,6 +39,7 @@ def create_app(config=None, environ=None):
     def _start_background():
         lifecycle.start_sweeper(app)
         health.start_prober(app)
+        webhooks.start_deliverer(app)
         request.environ.setdefault("kiln.client_addr", client_address(config, request))
 
     # After the hook above, so that a preflight's log line has the client address.

@@ -1,5 +1,5 @@
 """A worker's background greenlets (the ledger's admitter, settlement writer and renewer, the
-sweeper, the backend prober), kept running whatever they raise.
+sweeper, the backend prober, the webhook deliverer), kept running whatever they raise.
 
 Each runs a function meant to run forever. If it raises anything (a driver error, a bug), the
 failure is logged and counted, the greenlet is *down* for a backoff that doubles up to

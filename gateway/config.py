@@ -82,6 +82,21 @@ class Config:
     # The most rows one CSV export of GET /v1/generations may hold: a larger export is a 400
     # that asks for a narrower time range (docs/ACTIVITY.md, "Every request").
     export_max_rows: int = 1_000_000
+    # Webhooks (docs/WEBHOOKS.md; Postgres only): how often each worker looks for due events and
+    # how many it takes at once; a receiver's time to answer; the first wait before a failed
+    # delivery is tried again (doubling up to the longest) and the attempts before an event is
+    # marked failed; how soon before a key's expiry ``key.expiring`` is sent, and how often
+    # each worker looks for such keys; whether ``kiln webhook add`` (and delivery) take URLs
+    # whose host is a private or loopback address.
+    webhook_poll_s: float = 2.0
+    webhook_batch: int = 20
+    webhook_timeout_s: float = 10.0
+    webhook_backoff_s: float = 5.0
+    webhook_backoff_max_s: float = 3600.0
+    webhook_max_attempts: int = 10
+    webhook_key_expiring_s: float = 7 * 24 * 3600.0
+    webhook_expiring_scan_s: float = 60.0
+    webhook_allow_private: bool = False
 
     @classmethod
     def from_mapping(cls, values=None):

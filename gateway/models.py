@@ -212,3 +212,58 @@ stored_responses = sa.Table(
     sa.Index("ix_stored_responses_org_created", "org_id", "created_at"),
     sa.Index("ix_stored_responses_expires", "expires_at"),
 )
+
+# Webhooks (docs/WEBHOOKS.md): per org, a URL, its Standard Webhooks secret (``whsec_`` +
+# base64; Postgres generates one when an INSERT gives none) and the events it wants
+# (comma-separated: balance.low, key.limit_reached, key.expiring, credits.refused). The outbox
+# holds each event, written in the transaction of what caused it; ``dedup_key`` makes one
+# crossing one event. Each delivery attempt is logged in ``webhook_deliveries``.
+webhooks = sa.Table(
+    "webhooks", metadata,
+    sa.Column("id", sa.Integer, primary_key=True),
+    sa.Column("org_id", sa.Integer, sa.ForeignKey("orgs.id"), nullable=False, index=True),
+    sa.Column("url", sa.Text, nullable=False),
+    sa.Column("secret", sa.String(120), nullable=False),
+    sa.Column("events", sa.Text, nullable=False),
+    # balance.low: the org's balance went below this (exact USD); NULL: never.
+    sa.Column("balance_below_usd", sa.Numeric(20, 9, asdecimal=True), nullable=True),
+    # Deliver even where the URL's host resolves to a private or loopback address.
+    sa.Column("allow_private", sa.Boolean, nullable=False, server_default=sa.false()),
+    sa.Column("created_at", TS, nullable=False, server_default=sa.func.current_timestamp()),
+    sa.CheckConstraint("balance_below_usd >= 0", name="threshold_not_negative"),
+)
+
+webhook_outbox = sa.Table(
+    "webhook_outbox", metadata,
+    sa.Column("id", sa.BigInteger().with_variant(sa.Integer, "sqlite"), primary_key=True),
+    sa.Column("webhook_id", sa.Integer, sa.ForeignKey("webhooks.id", ondelete="CASCADE"),
+              nullable=False),
+    sa.Column("event_type", sa.String(40), nullable=False),
+    sa.Column("dedup_key", sa.String(200), nullable=True),
+    sa.Column("payload", sa.Text, nullable=False),  # the JSON body, signed and sent as is
+    # pending until delivered (a 2xx) or failed (its attempts used up).
+    sa.Column("status", sa.String(16), nullable=False, server_default="pending"),
+    sa.Column("attempts", sa.Integer, nullable=False, server_default="0"),
+    # When it may be tried next: after a failure, or after a claim that never reported.
+    sa.Column("next_attempt_at", TS, nullable=False,
+              server_default=sa.func.current_timestamp()),
+    sa.Column("created_at", TS, nullable=False, server_default=sa.func.current_timestamp()),
+    sa.Column("finished_at", TS, nullable=True),
+    sa.CheckConstraint("status IN ('pending', 'delivered', 'failed')", name="status"),
+    sa.UniqueConstraint("webhook_id", "dedup_key", name="uq_webhook_outbox_dedup"),
+    sa.Index("ix_webhook_outbox_due", "status", "next_attempt_at"),
+)
+
+webhook_deliveries = sa.Table(
+    "webhook_deliveries", metadata,
+    sa.Column("id", sa.BigInteger().with_variant(sa.Integer, "sqlite"), primary_key=True),
+    sa.Column("outbox_id", sa.BigInteger,
+              sa.ForeignKey("webhook_outbox.id", ondelete="CASCADE"), nullable=False,
+              index=True),
+    sa.Column("attempt", sa.Integer, nullable=False),
+    sa.Column("at", TS, nullable=False, server_default=sa.func.current_timestamp()),
+    sa.Column("status_code", sa.Integer, nullable=True),  # NULL: no HTTP answer
+    sa.Column("error", sa.Text, nullable=True),
+    sa.Column("duration_ms", sa.Integer, nullable=True),
+    sa.Column("deliverer", sa.String(200), nullable=True),  # host:pid of the worker
+)

@@ -17,7 +17,7 @@ def healthz():
 @bp.get("/readyz")
 def readyz():
     """Answer 200 when the database answers, the catalog is loaded and no background greenlet
-    (ledger writers, sweeper, prober) is down, else 503 naming what is not."""
+    (ledger writers, sweeper, prober, webhooks) is down, else 503 naming what is not."""
     services = current_app.extensions["kiln"]
     try:
         with services.engine.connect() as conn:

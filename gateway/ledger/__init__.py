@@ -2,7 +2,8 @@
 
 Admission (hold + lease + pending usage event), renewal of live leases, settlement (exactly
 once per generation), the sweeper, credit grants and reconciliation's reads all live here; the
-dialects' statements are in :mod:`.postgres` and :mod:`.sqlite`. The request flow
+dialects' statements are in :mod:`.postgres` and :mod:`.sqlite`; the webhook outbox that
+settlements, grants and refusals write to is in :mod:`.outbox`. The request flow
 (:mod:`gateway.flow.generation`) calls it; nothing else writes money.
 
 May import only the shared modules at the top of ``gateway`` (tables, money math, statuses):
@@ -51,6 +52,7 @@ from ..billing import (BY_PROGRESS, MAX_TOKENS_COUNT, Usage, cost_nanos, format_
 from ..db import is_postgres
 from ..errors import DatabaseBusy, DatabaseUnavailable, InsufficientCredits, RateLimited
 from ..endings import LEASE_EXPIRED, Status
+from . import outbox
 from .postgres import PostgresStore
 from .sqlite import SqliteStore
 from .worker import Admitter, Renewer, SettlementWriter
@@ -64,6 +66,8 @@ SETTLING_REASONS = frozenset({"in_flight", "key_in_flight", "credits", "key_limi
 # Refusals for a count of leases, which expired leases (a dead worker's) may fill.
 LEASE_REASONS = frozenset({"in_flight", "key_in_flight"})
 RECHECK_S = 0.02
+# Refusals (402) that webhooks announce: the org's credits, the key's spend limit.
+WEBHOOK_REASONS = frozenset({"credits", "key_limit"})
 ABANDONED_ERROR = "lease expired: the worker serving this request was lost"
 
 
@@ -242,6 +246,8 @@ class Ledger:
                     gevent.sleep(RECHECK_S)
                 continue
             if reason != "retry":
+                if reason in WEBHOOK_REASONS:
+                    self._record_refusal(reason, request)
                 raise _rejection(reason, request, available, remaining, period, count)
         raise RateLimited("Too many concurrent admissions for this organization. Retry with "
                           "backoff.")
@@ -254,6 +260,19 @@ class Ledger:
         except (sa.exc.DBAPIError, psycopg.Error, OSError) as err:
             log.error("admission failed: database unavailable: %s", err)
             raise DatabaseUnavailable() from err
+
+    def _record_refusal(self, reason, request):
+        """Write the webhook events of a 402 (``credits.refused``, ``key.limit_reached``) in
+        one short transaction (Postgres; :mod:`.outbox`). A failure is logged, never the
+        client's: the refusal is told all the same."""
+        if not isinstance(self.store, PostgresStore):
+            return
+        try:
+            with self.store.engine.begin() as conn:
+                outbox.record_refusal(conn, reason, request.org_id, request.key_id,
+                                      request.hold_nanos)
+        except (sa.exc.SQLAlchemyError, psycopg.Error, OSError):
+            log.exception("webhook event of a refusal (%s) not written", reason)
 
     def _settle_orphan(self, request, row):
         """Settle at once an admission that came back after its request gave up waiting (the

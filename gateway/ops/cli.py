@@ -17,6 +17,7 @@ from . import lifecycle as ops
 from ..contract.catalog import load_catalog
 from .cli_catalog import catalog
 from .cli_db import db, pass_ctx
+from .cli_webhooks import Webhooks
 from .cli_keys import (LIST_COLUMNS, POSITIVE_INTEGER, limit_changes, limit_options, list_line,
                        parse_limit_usd)
 from ..config import Config
@@ -390,6 +391,7 @@ def sweep(ctx):
 
 main.add_command(db)
 main.add_command(catalog)
+main.add_command(Webhooks(find_org))
 
 if __name__ == "__main__":
     main()

@@ -82,7 +82,24 @@ class Metrics:
             "kiln_tokenize_failures_total",
             "Token counts a tokenizer did not answer (the upward bound was billed instead), by "
             "model and reason", ["model", "reason"], registry=r)
+        self._webhook_collectors(r)
         self._backend_collectors(r)
+
+    def _webhook_collectors(self, r):
+        """Webhook deliveries (docs/WEBHOOKS.md), by event type."""
+        self.webhooks_delivered = Counter("kiln_webhooks_delivered_total",
+                                          "Webhook events delivered (a 2xx answer)",
+                                          ["event"], registry=r)
+        self.webhooks_failed = Counter("kiln_webhooks_failed_total",
+                                       "Webhook events given up after their last attempt",
+                                       ["event"], registry=r)
+        self.webhook_attempts_failed = Counter(
+            "kiln_webhook_attempts_failed_total",
+            "Webhook delivery attempts that failed and will be tried again", ["event"],
+            registry=r)
+        self.webhook_outbox_depth = Gauge("kiln_webhook_outbox_depth",
+                                          "Webhook events waiting for delivery (pending)",
+                                          multiprocess_mode="livemax", registry=r)
 
     def _backend_collectors(self, r):
         """Per-backend series (docs/ROUTING.md): ``backend`` is the catalog URL."""

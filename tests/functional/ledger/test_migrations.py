@@ -14,7 +14,8 @@ from gateway_proc import create_database, drop_database
 
 KILN = str(Path(sys.executable).with_name("kiln"))
 TABLES = {"orgs", "api_keys", "credit_balances", "credit_grants", "usage_events", "in_flight",
-          "maintenance", "usage_daily", "stored_responses", "key_changes"}
+          "maintenance", "usage_daily", "stored_responses", "key_changes", "webhooks",
+          "webhook_outbox", "webhook_deliveries"}
 
 
 def kiln(url, *args, check=True):
