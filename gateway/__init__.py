@@ -30,7 +30,8 @@ def create_app(config=None, environ=None):
         "kiln.unknown_keys": {}, "kiln.key_used": {},
         "kiln.responses_codec": ResponsesCodec(config.responses_store_default),
         "kiln.parse_budget": intake.ParseBudget(config.parse_budget_bytes, config.parse_wait_s),
-        "kiln.body_process": body_process.BodyProcess(config.models, config.max_body_bytes),
+        "kiln.body_process": body_process.BodyProcesses(config.models, config.max_body_bytes,
+                                                        intake.PARSERS),
     })
     register_error_handlers(app)
     _register_blueprints(app)

@@ -20,10 +20,13 @@ def generate(codec, parse=None, on_answer=None):
     :raises GatewayError: refused before any byte of the answer (400, 403, 404, 413, 503, ...).
     """
     services = current_app.extensions["kiln"]
-    body, body_bytes = read_body(services, current_app.extensions["kiln.parse_budget"],
-                                 codec.name)
-    parsed = parse(body, body_bytes) if parse is not None else \
-        codec.parse(body, services.catalog, body_bytes)
+    body, body_bytes, checked = read_body(services, current_app.extensions["kiln.parse_budget"],
+                                          codec.name)
+    if parse is not None:
+        parsed = parse(body, body_bytes)
+    else:  # a large body's codec already ran in the child process: not again here
+        parsed = checked if checked is not None else \
+            codec.parse(body, services.catalog, body_bytes)
     check_model(parsed.entry.id)
     lifecycle.check_maintenance()
     return respond(services, g.principal, parsed, codec, request.environ,
