@@ -29,6 +29,10 @@ def generate(codec, parse=None, on_answer=None):
             codec.parse(body, services.catalog, body_bytes)
     check_model(parsed.entry.id)
     lifecycle.check_maintenance()
+    # Image hosts are resolved last: the lookups a request may cost come after every check
+    # that needs none, and within its org's share (gateway/contract/image_hosts.py).
+    current_app.extensions["kiln.image_hosts"].vouch(getattr(parsed, "image_lookups", ()),
+                                                     g.principal.org_id)
     return respond(services, g.principal, parsed, codec, request.environ,
                    on_answer(parsed) if on_answer is not None else None)
 
