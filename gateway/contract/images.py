@@ -60,11 +60,14 @@ class Lookup:
     private_ok: bool
 
 
-def check_image_url(value, param, sources=DEFAULT_SOURCES):
+def check_image_url(value, param, sources=DEFAULT_SOURCES, vouched=None):
     """Check an ``image_url`` part's value against the model's allowed ``sources``; return the
     :class:`Lookup` its host name needs, or None (a data: URL, an address).
 
     :param value: ``{"url": ..., "detail": ...}`` (or the URL as a string).
+    :param vouched: None, or the only hosts (lower case) a remote URL may name: the model's
+        backends follow redirects fetching it, so the policy holds only for hosts the operator
+        vouches for (:attr:`gateway.contract.catalog.ModelEntry.vouched_image_hosts`).
     :raises InvalidRequest: 400, ``invalid_type`` or ``invalid_image_url``.
     """
     url = value.get("url") if isinstance(value, dict) else value
@@ -80,7 +83,7 @@ def check_image_url(value, param, sources=DEFAULT_SOURCES):
     if scheme not in ("http", "https") or scheme not in sources:
         allowed = [s for s in sources if s != "private"]
         raise refused(param, f"only {', '.join(allowed)} image URLs are accepted")
-    return _check_host(url, param, "private" in sources)
+    return _check_host(url, param, "private" in sources, vouched)
 
 
 def _check_data_url(url, param):
@@ -100,7 +103,7 @@ def _check_data_url(url, param):
         raise refused(param, f"the data: URL's bytes are not {media_type}")
 
 
-def _check_host(url, param, private_ok):
+def _check_host(url, param, private_ok, vouched=None):
     try:
         parts = urlsplit(url)
         host = parts.hostname
@@ -109,6 +112,10 @@ def _check_host(url, param, private_ok):
         raise refused(param, "the URL is malformed") from err
     if not host or parts.username is not None or parts.password is not None:
         raise refused(param, "the URL needs a host and no user name or password")
+    if vouched is not None and host.rstrip(".").lower() not in vouched:
+        raise refused(param, "this model's servers follow redirects when they fetch an image, "
+                      "so only URLs of the hosts its catalog vouches for are accepted; send "
+                      "the image as a data: URL")
     try:
         address = ipaddress.ip_address(host)
     except ValueError:

@@ -182,7 +182,8 @@ def _image_lookups(messages, entry):
             url = value.get("url") if isinstance(value, dict) else value
             if url[:5].lower() != "data:":
                 found.append(images.check_image_url(value, f"messages[{i}].content[{j}]"
-                                                    ".image_url", entry.image_sources))
+                                                    ".image_url", entry.image_sources,
+                                                    entry.vouched_image_hosts))
     return tuple(lookup for lookup in found if lookup is not None)
 
 
@@ -344,7 +345,8 @@ def _part(part, where, role, entry):
     if kind in ("text", "refusal"):
         require_string(value, f"{where}.{kind}")
     elif kind == "image_url":
-        images.check_image_url(value, f"{where}.image_url", entry.image_sources)
+        images.check_image_url(value, f"{where}.image_url", entry.image_sources,
+                               entry.vouched_image_hosts)
         if isinstance(value, dict):  # a bare URL string is accepted too
             _part_object(value, kind, where)
         return True
