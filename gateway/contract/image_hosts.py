@@ -139,8 +139,8 @@ class HostResolver:
                 return None, self.negative_ttl_s
             except (dns.resolver.NoAnswer, dns.resolver.NoNameservers):
                 continue
-            except dns.exception.DNSException:  # a timeout, a malformed answer
-                return None, self.negative_ttl_s
+            except (dns.exception.DNSException, ValueError, UnicodeError):
+                return None, self.negative_ttl_s  # a timeout, a bad name, a malformed answer
             ttl_s = min(ttl_s, answer.rrset.ttl)
             found += [ipaddress.ip_address(r.address) for r in answer]
         return (found or None), ttl_s

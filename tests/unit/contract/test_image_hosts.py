@@ -65,3 +65,9 @@ def test_nameservers_are_read_with_their_ports():
                                                           "[fd00::1]:53", "fd00::2")]
     assert [(n.address, n.port) for n in parsed] == [
         ("127.0.0.1", 5353), ("10.0.0.2", 53), ("fd00::1", 53), ("fd00::2", 53)]
+
+
+@pytest.mark.parametrize("name", ["a..example.com", "x" * 64 + ".example.com",
+                                  ("a" * 60 + ".") * 5 + "com", "bücher.example"])
+def test_a_name_dns_cannot_carry_does_not_resolve(dns, name):
+    assert HostResolver(dns.nameserver, timeout_s=2).addresses(name, org=1) is None
