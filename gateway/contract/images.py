@@ -20,6 +20,11 @@ IPv4 address; the local-use NAT64 prefix ``64:ff9b:1::/48`` (RFC 8215) is never 
 A host name can resolve differently when the backend fetches it (DNS rebinding): Kiln checks the
 addresses it sees; an operator who needs more blocks egress from the model servers.
 
+A model server that fetches the URL itself follows redirects (vLLM's fetcher does), so a public
+host may send it to a private address on a hop Kiln never sees: a model with such backends
+(every family but ``openai``, :attr:`gateway.contract.families.Family.follows_image_redirects`)
+is sent remote URLs only of the hosts its catalog vouches for (``image_hosts``).
+
 Checking a part here needs no I/O: a URL whose host is a name gives a :class:`Lookup`, which
 the view resolves with the org's share of the worker's resolver
 (:class:`gateway.contract.image_hosts.HostResolver`) and checks with :func:`check_addresses`.
