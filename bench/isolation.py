@@ -18,7 +18,20 @@ It prints the victim's latency alone and under the flood (p50, p99, max), the ra
 what the flood's requests were answered, and the workers' peak memory. ``--root`` runs another
 checkout's gateway (e.g. the main branch, for a before/after figure) with this harness.
 
+Then a key that pays nothing ($0 org) attacks each way alone while another org runs a steady
+load, and the victim's p50/p99 quiet and attacked are printed side by side:
+
+- ``slow DNS image hosts``: 12 connections sending image URLs whose hosts (a new name each
+  time) a name server answers only after 30 s: a tiny UDP DNS server started here
+  (tests/support/dns_server.py), which the gateway is pointed at (``KILN_IMAGE_NAMESERVERS``).
+  The victim sends small requests to a model whose backend is named ``localhost`` (its
+  connections need a name lookup too) with an image URL on a host that resolves at once.
+- ``huge bodies``: 4 connections sending 16 MiB bodies of tiny messages for the vision model
+  (parsed in full, then refused), against the worker's parse budget; the victim sends 400 KB
+  image requests (large bodies too: parsed in the child processes).
+
     .venv/bin/python bench/isolation.py [--root DIR] [--requests 1000] [--workers 1]
+        [--attack-requests 300] [--no-mixed]
 """
 from __future__ import annotations
 
@@ -37,12 +50,15 @@ import time
 import uuid
 from pathlib import Path
 
+import base64
+
 import requests
 import sqlalchemy as sa
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent / "tests" / "support")]
 
+from dns_server import DnsServer  # noqa: E402
 from fake_upstream import FakeUpstream  # noqa: E402
 from gateway_proc import create_database, drop_database, free_port, make_org, migrate  # noqa: E402
 from procstat import tree_rss_kb  # noqa: E402
@@ -63,7 +79,16 @@ max_output_tokens = 1024
 input = ["text", "image"]
 pricing = {{ input = "1", cached_input = "0.5", output = "2" }}
 backends = [{{ url = "{url}", model = "upstream-vision" }}]
+
+[[models]]
+id = "fake-named"
+context_window = 8192
+max_output_tokens = 1024
+input = ["text", "image"]
+pricing = {{ input = "1", cached_input = "0.5", output = "2" }}
+backends = [{{ url = "{named_url}", model = "upstream-named", server = "openai" }}]
 """
+FAST_HOST, SLOW_SUFFIX, SLOW_S = "images.example.com", ".slow.example", 30
 SMALL = json.dumps({"model": "fake-model", "max_tokens": 16,
                     "messages": [{"role": "user", "content": "Say hello"}]}).encode()
 MiB = 1024 * 1024
@@ -82,6 +107,19 @@ def huge_string(model, size=16 * MiB - 4096):
     context window, but a string the parser scans character by character)."""
     head = b'{"model":"' + model.encode() + b'","messages":[{"role":"user","content":"'
     return head + b"word " * ((size - len(head) - 8) // 5) + b'"}]}'
+
+
+def image_request(model, url):
+    """A small chat request with one image URL."""
+    return json.dumps({"model": model, "max_tokens": 16, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "what is this?"},
+        {"type": "image_url", "image_url": {"url": url}}]}]}).encode()
+
+
+def png_request(size=400_000):
+    """A valid chat request of about ``size`` bytes for the vision model: one PNG, inline."""
+    png = b"\x89PNG\r\n\x1a\n" + bytes(size * 3 // 4)
+    return image_request("fake-vision", "data:image/png;base64," + base64.b64encode(png).decode())
 
 
 def huge_invalid(model, size=16 * MiB - 4096):
@@ -119,15 +157,15 @@ class Gunicorn:
         self.proc.wait(30)
 
 
-def victim(url, key, count, budget_s):
-    """Send ``count`` small requests one after another (fewer if ``budget_s`` runs out);
+def victim(url, key, count, budget_s, body=SMALL):
+    """Send ``count`` requests of ``body`` one after another (fewer if ``budget_s`` runs out);
     return their latencies (seconds) and statuses."""
     session, latencies, statuses = requests.Session(), [], collections.Counter()
     headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
     deadline = time.monotonic() + budget_s
     while len(latencies) < count and time.monotonic() < deadline:
         start = time.perf_counter()
-        r = session.post(url + "/v1/chat/completions", data=SMALL, headers=headers, timeout=60)
+        r = session.post(url + "/v1/chat/completions", data=body, headers=headers, timeout=60)
         latencies.append(time.perf_counter() - start)
         statuses[r.status_code] += 1
     return latencies, statuses
@@ -140,11 +178,12 @@ class Flood:
     client (the GIL): only the gateway is shared.
     """
 
-    def __init__(self, url, key, vision=True):
+    def __init__(self, url, key, vision=True, kinds=None):
+        """:param kinds: ``{sender name: threads}`` (:class:`Senders`); None: the mixed flood."""
         self.stop_event = multiprocessing.Event()
         self._results = multiprocessing.Queue()
         self._process = multiprocessing.Process(
-            target=_flood_main, args=(url, key, self.stop_event, self._results, vision),
+            target=_flood_main, args=(url, key, self.stop_event, self._results, vision, kinds),
             daemon=True)
         self.answers = {}
 
@@ -159,7 +198,7 @@ class Flood:
         self._process.join(30)
 
 
-def _flood_main(url, key, stop_event, results, vision, unknown=4, slow=20):
+def _flood_main(url, key, stop_event, results, vision, chosen=None, unknown=4, slow=20):
     # A real flood's clients run on other machines: here they share the gateway's cores, so
     # they yield them (building and sending 16 MiB bodies is most of this machine's work).
     os.nice(19)
@@ -167,6 +206,8 @@ def _flood_main(url, key, stop_event, results, vision, unknown=4, slow=20):
     huge = [senders.huge_body, senders.huge_vision, senders.huge_string, senders.huge_invalid] \
         if vision else [senders.huge_body] * 4
     kinds = [senders.unknown_key] * unknown + huge + [senders.slow_body] * slow
+    if chosen is not None:
+        kinds = [getattr(senders, name) for name, n in chosen.items() for _ in range(n)]
     threads = [threading.Thread(target=senders.loop, args=(k,), daemon=True) for k in kinds]
     for t in threads:
         t.start()
@@ -202,6 +243,12 @@ class Senders:
                          headers={"Authorization": f"Bearer {key}",
                                   "Content-Type": "application/json"})
         return r.status_code
+
+    def slow_dns_image(self, session):
+        """An image URL whose host (new each time) the name server answers after 30 s."""
+        host = f"{uuid.uuid4().hex}{SLOW_SUFFIX}"
+        return self._post(session, image_request("fake-named", f"https://{host}/a.png"),
+                          self.key)
 
     def unknown_key(self, session):
         return self._post(session, SMALL, "kiln-unknownkeyunknownkeyunknownkey000000000000")
@@ -257,6 +304,45 @@ class RssSampler(threading.Thread):
             self.peak_kb = max(self.peak_kb, tree_rss_kb([self.pid]))
 
 
+ATTACKS = (  # (name, the victim's load, its body, the $0 key's senders)
+    ("slow DNS image hosts", "small requests, an image URL on a host that resolves at once, "
+     "backend named localhost", lambda: image_request("fake-named", f"https://{FAST_HOST}/a.png"),
+     {"slow_dns_image": 12}),
+    ("huge bodies", "400 KB image requests", png_request, {"huge_vision": 4}),
+)
+
+
+def measure_attacks(args, gw, org, free_key):
+    """Each attack alone: the victim quiet, then while the $0 key attacks; return the rows."""
+    rows = []
+    for name, load, make_body, kinds in ATTACKS:
+        body = make_body()
+        quiet, _ = victim(gw.url, org.key, args.attack_requests, args.budget, body)
+        with Flood(gw.url, free_key, kinds=kinds) as flood:
+            attacked, statuses = victim(gw.url, org.key, args.attack_requests, args.budget, body)
+        rows.append({"attack": name, "load": load, "quiet": summary(quiet),
+                     "attacked": summary(attacked), "victim_statuses": dict(statuses),
+                     "attack_answers": flood.answers})
+    return rows
+
+
+def print_attacks(rows):
+    print("\n| attack by a $0 key | victim's load | requests | quiet p50 ms | quiet p99 ms "
+          "| attacked p50 ms | attacked p99 ms | p99 ratio | victim answers |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    worst = 0.0
+    for row in rows:
+        quiet, attacked = row["quiet"], row["attacked"]
+        ratio = attacked["p99_ms"] / quiet["p99_ms"]
+        worst = max(worst, ratio)
+        print(f"| {row['attack']} | {row['load']} | {attacked['n']} | {quiet['p50_ms']} | "
+              f"{quiet['p99_ms']} | {attacked['p50_ms']} | {attacked['p99_ms']} | "
+              f"{ratio:.2f}x | {row['victim_statuses']} |")
+    for row in rows:
+        print(f"{row['attack']}: the $0 key's answers {row['attack_answers']}")
+    return worst
+
+
 def measure(args, gw, org, flooder):
     baseline, _ = victim(gw.url, org.key, args.requests, args.budget)
     base_rss = tree_rss_kb([gw.proc.pid])
@@ -290,15 +376,21 @@ def run(args):
     migrate(url)
     engine = sa.create_engine(url)
     try:
-        with FakeUpstream() as fake, tempfile.TemporaryDirectory() as tmp:
+        with FakeUpstream() as fake, tempfile.TemporaryDirectory() as tmp, \
+                DnsServer({FAST_HOST: ["93.184.216.34"]}, slow={SLOW_SUFFIX: SLOW_S}) as dns:
             catalog = Path(tmp) / "models.toml"
-            catalog.write_text(CATALOG.format(url=fake.base_url))
+            catalog.write_text(CATALOG.format(
+                url=fake.base_url, named_url=fake.base_url.replace("127.0.0.1", "localhost")))
             gw = Gunicorn(args.root, {"KILN_DATABASE_URL": url, "KILN_MODELS": str(catalog),
-                                      "KILN_BODY_TIMEOUT_S": str(args.body_timeout)},
+                                      "KILN_BODY_TIMEOUT_S": str(args.body_timeout),
+                                      "KILN_IMAGE_NAMESERVERS": dns.nameserver},
                           args.workers)
             try:
-                return measure(args, gw, make_org(engine, "victim", usd="1000"),
-                               make_org(engine, "flooder", usd="1000", limit=1000))
+                org = make_org(engine, "victim", usd="1000")
+                result = measure(args, gw, org, make_org(
+                    engine, "flooder", usd="1000", limit=1000)) if args.mixed else None
+                free = make_org(engine, "pays-nothing", usd="0", limit=1000)
+                return result, measure_attacks(args, gw, org, free.key)
             finally:
                 gw.stop()
     finally:
@@ -319,12 +411,18 @@ def main(argv=None):
     parser.add_argument("--vision", action=argparse.BooleanOptionalAction, default=True,
                         help="three of the four huge-body senders target the vision model "
                              "(default); --no-vision: all four target the text-only model")
+    parser.add_argument("--attack-requests", type=int, default=300,
+                        help="victim requests quiet and under each $0 key's attack (300)")
+    parser.add_argument("--mixed", action=argparse.BooleanOptionalAction, default=True,
+                        help="run the mixed flood first (default); --no-mixed: only the "
+                             "$0 key's attacks")
     parser.add_argument("--json", action="store_true", help="also print the result as JSON")
     args = parser.parse_args(argv)
-    result = run(args)
-    ratio = print_table(result)
+    result, attacks = run(args)
+    ratio = print_table(result) if result is not None else 0.0
+    ratio = max(ratio, print_attacks(attacks))
     if args.json:
-        print(json.dumps(result))
+        print(json.dumps({"mixed": result, "attacks": attacks}))
     return 0 if ratio <= 2.0 else 1
 
 

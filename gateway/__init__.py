@@ -16,6 +16,7 @@ def create_app(config=None, environ=None):
     """
     from .api import body_process, cors, intake
     from .backends import health
+    from .contract.image_hosts import HostResolver
     from .dialects.responses import ResponsesCodec
     from .errors import register_error_handlers
     from .ops import lifecycle, webhooks
@@ -30,7 +31,12 @@ def create_app(config=None, environ=None):
         "kiln.unknown_keys": {}, "kiln.key_used": {},
         "kiln.responses_codec": ResponsesCodec(config.responses_store_default),
         "kiln.parse_budget": intake.ParseBudget(config.parse_budget_bytes, config.parse_wait_s),
-        "kiln.body_process": body_process.BodyProcess(config.models, config.max_body_bytes),
+        "kiln.body_process": body_process.BodyProcesses(config.models, config.max_body_bytes,
+                                                        intake.PARSERS),
+        "kiln.image_hosts": HostResolver(
+            config.image_nameservers, config.image_resolve_timeout_s,
+            config.image_lookups_per_worker, config.image_lookups_per_org,
+            config.image_cache_size, config.image_cache_ttl_s, config.image_negative_ttl_s),
     })
     register_error_handlers(app)
     _register_blueprints(app)

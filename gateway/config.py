@@ -97,6 +97,16 @@ class Config:
     webhook_key_expiring_s: float = 7 * 24 * 3600.0
     webhook_expiring_scan_s: float = 60.0
     webhook_allow_private: bool = False
+    # Image URLs' host names (gateway/contract/image_hosts.py): the name servers asked
+    # ("ip[:port],..."; empty: /etc/resolv.conf), the longest one request waits for a name,
+    # the lookups at once per worker and per org, and how long answers are cached.
+    image_nameservers: str = ""
+    image_resolve_timeout_s: float = 2.0
+    image_lookups_per_worker: int = 32
+    image_lookups_per_org: int = 4
+    image_cache_size: int = 4096
+    image_cache_ttl_s: float = 300.0
+    image_negative_ttl_s: float = 30.0
 
     @classmethod
     def from_mapping(cls, values=None):

@@ -3,7 +3,7 @@ memory (:mod:`gateway.api.intake`), a large one parsed and checked in the worker
 (:mod:`gateway.api.body_process`), and a connection whose body was left unread closed after the
 answer (:func:`never_drained`, registered after each such blueprint's requests).
 """
-from flask import current_app, request
+from flask import current_app, g, request
 
 from ..contract.json_body import parse_json_body
 from ..errors import InvalidRequest, PayloadTooLarge
@@ -14,27 +14,28 @@ BODY_READ = "kiln.body_read"  # environ key: the whole body was read
 
 def read_body(services, budget, dialect):
     """Read and parse the body, within the bounds of :mod:`gateway.api.intake`; return
-    ``(body, size in bytes)``. A large body is parsed and checked against ``dialect``'s
-    contract (a codec's name) in the worker's child process first
-    (:mod:`gateway.api.body_process`)."""
-    config, length = services.config, request.content_length
+    ``(body, size in bytes, canonical request or None)``. A large body is parsed and checked
+    against ``dialect``'s contract (a codec's name) in one of the worker's child processes
+    (:mod:`gateway.api.body_process`), which also gives the canonical request its codec
+    built (so the view need not check the body again); a small one comes back with None."""
+    config, length, org = services.config, request.content_length, g.principal.org_id
     if length is not None and length > config.max_body_bytes:
         raise PayloadTooLarge(f"Request body is larger than {config.max_body_bytes} bytes.")
     if length is not None and length >= intake.INLINE_BYTES:
-        held = budget.acquire(length)  # before the first byte is read
+        held = budget.acquire(org, length)  # before the first byte is read
         try:
             parts, size = _receive(config, length)
-            return _parse(services, budget, parts, size, dialect), size
+            return _parse(services, budget, parts, size, dialect)
         finally:
-            budget.release(held)
+            budget.release(org, held)
     parts, size = _receive(config, length)
     if size < intake.INLINE_BYTES:
-        return _parse(services, budget, parts, size, dialect), size
-    held = budget.acquire(size)  # a large body of unknown length: held by its real size
+        return _parse(services, budget, parts, size, dialect)
+    held = budget.acquire(org, size)  # a large body of unknown length: held by its real size
     try:
-        return _parse(services, budget, parts, size, dialect), size
+        return _parse(services, budget, parts, size, dialect)
     finally:
-        budget.release(held)
+        budget.release(org, held)
 
 
 def never_drained(response):
@@ -69,12 +70,16 @@ def _receive(config, length):
 
 
 def _parse(services, budget, parts, size, dialect):
-    """Parse a small body inline; a large one in the worker's child process, which checks it
-    against the whole contract first (:mod:`gateway.api.body_process`): its parts go down the
-    pipe as they were read, never joined in the worker."""
+    """Parse a small body inline; a large one in one of the worker's child processes, which
+    checks it against the whole contract first (:mod:`gateway.api.body_process`): its parts go
+    down the pipe as they were read, never joined in the worker. Return ``(body, size,
+    canonical request or None)``."""
     if size < intake.INLINE_BYTES or size > services.config.max_body_bytes:
         raw = parts[0] if len(parts) == 1 else b"".join(parts)
-        return parse_json_body(raw, request.content_type, services.config.max_body_bytes)
-    checker = current_app.extensions["kiln.body_process"]
-    checker.start()
-    return budget.run(checker.check, parts, request.content_type or "", dialect)
+        return parse_json_body(raw, request.content_type,
+                               services.config.max_body_bytes), size, None
+    checkers = current_app.extensions["kiln.body_process"]
+    body, checked = budget.run(g.principal.org_id, checkers.parse, parts,
+                               request.content_type or "", dialect, services.catalog,
+                               start=checkers.start, cost_s=checkers.cpu_s)
+    return body, size, checked

@@ -3,33 +3,40 @@
 Parsing JSON holds the GIL from start to end: a 16 MiB body of half a million small values
 takes its worker's event loop for about a second to parse and a tenth of a second to free, and
 a 16 MiB string for a tenth of a second (bench/RESULTS.md, "Isolation"). Every other request
-of that worker waits meanwhile. So each worker keeps one child process: a large body is piped
-to it, the child parses it and checks it against the whole contract
-(:func:`gateway.contract.json_body.parse_json_body`,
-:func:`gateway.contract.validation.validate_chat`, with the worker's catalog file), and
-answers either the error the request gets or the parsed body, pickled. A body the contract
-refuses never becomes Python objects in the worker; a valid one costs the worker an
-unpickling (a copy, not a parse).
+of that worker waits meanwhile. So each worker keeps child processes: a large body is piped
+to one, the child parses it and checks it against the whole contract
+(:func:`gateway.contract.json_body.parse_json_body`, the dialect's codec, with the worker's
+catalog file), and answers either the error the request gets or the parsed body with the
+canonical request the codec built of it, pickled (catalog entries by their id: the worker puts
+its own back in). A body the contract refuses never becomes Python objects in the worker; a
+valid one costs the worker an unpickling (a copy, not a parse), and is not checked a second
+time in its event loop. Each answer tells the CPU time the child spent on it, which is what
+the parse budget charges the body's org.
 
-The child handles one body at a time (the worker's :class:`gateway.api.intake.ParseBudget` gives
-turns) and ends when its pipe closes (its worker exited). A child that dies, hangs past
-``timeout_s`` or answers garbage is killed; that request gets a 503 with ``Retry-After``, and
-the next large body starts a new child.
+Each child handles one body at a time, and a worker keeps :data:`gateway.api.intake.PARSERS`
+of them (:class:`BodyProcesses`; its :class:`gateway.api.intake.ParseBudget` gives turns, one
+org at a time per child); a child ends when its pipe closes (its worker exited). A child that
+dies, hangs past ``timeout_s`` or answers garbage is killed; that request gets a 503 with
+``Retry-After``, and the next large body starts a new child.
 
-Wire format, both ways: a 12-byte head (``!QI``: payload bytes, content-type bytes) and the
-payload. The first message to a new child is the catalog path and the body limit, pickled;
-it answers :data:`READY` once the catalog is loaded.
+Wire format, both ways: a 12-byte head (``!QI``: payload bytes, text bytes), a text (to the
+child: the dialect and the content type; from it: the CPU seconds spent) and the payload.
+The first message to a new child is the catalog path and the body limit, pickled; it answers
+:data:`READY` once the catalog is loaded.
 """
+import io
 import logging
 import os
 import pickle
 import struct
 import sys
+import time
 
 import gevent
 from gevent import subprocess
 from gevent.lock import Semaphore
 
+from ..contract.catalog import ModelEntry
 from ..errors import GatewayError, ServiceUnavailable
 
 log = logging.getLogger(__name__)
@@ -60,6 +67,7 @@ class BodyProcess:
         self._proc = None
         self._owner = None  # the pid that started the child (a forked worker starts its own)
         self._starting = Semaphore()  # one child, however many requests find none running
+        self.last_cpu_s = 0.0  # CPU seconds the child spent on the last body it answered
 
     def check(self, parts, content_type, dialect="chat"):
         """Return the body (a dict) made of ``parts`` (bytes, or a list of bytes in order) if
@@ -68,6 +76,15 @@ class BodyProcess:
         :raises GatewayError: the error the contract gives it (400, 404, 413).
         :raises ServiceUnavailable: the child failed; 503 ``server_busy`` with ``Retry-After``.
         """
+        return self.parse(parts, content_type, dialect, {})[0]
+
+    def parse(self, parts, content_type, dialect, catalog):
+        """Return ``(body, canonical request)`` as :meth:`check` does, the request being what
+        ``dialect``'s codec built (``codec.parse``), its catalog entry taken from ``catalog``
+        (a mapping of model ids to entries; an id it lacks: None).
+
+        :raises GatewayError: as :meth:`check`.
+        """
         self.start()
         proc, answered = self._proc, False
         timeout = gevent.Timeout(self.timeout_s)
@@ -75,7 +92,9 @@ class BodyProcess:
         try:
             _send(proc.stdin, f"{dialect}\n{content_type}".encode(),
                   [parts] if isinstance(parts, bytes) else parts)
-            kind, payload = pickle.loads(_read_message(proc.stdout)[1])
+            cpu_s, raw = _read_message(proc.stdout)
+            self.last_cpu_s = float(cpu_s or 0.0)
+            kind, payload = _Unpickler(io.BytesIO(raw), catalog).load()
             answered = True
         except (OSError, EOFError, ValueError, pickle.UnpicklingError, struct.error) as err:
             raise self._failed(err) from None
@@ -139,6 +158,57 @@ class BodyProcess:
                                   code="server_busy", headers={"Retry-After": RETRY_AFTER_S})
 
 
+class BodyProcesses:
+    """A worker's body checkers: ``count`` children, each used by one parse at a time (the
+    parse budget hands out their indexes, :meth:`gateway.api.intake.ParseBudget.run`), each
+    started at its first body."""
+
+    def __init__(self, models_path, max_body_bytes, count):
+        self.processes = [BodyProcess(models_path, max_body_bytes) for _ in range(count)]
+
+    def parse(self, index, parts, content_type, dialect, catalog):
+        """:meth:`BodyProcess.parse` with child ``index``."""
+        return self.processes[index].parse(parts, content_type, dialect, catalog)
+
+    def start(self, index):
+        """:meth:`BodyProcess.start` child ``index``."""
+        self.processes[index].start()
+
+    def cpu_s(self, index):
+        """The CPU seconds child ``index`` spent on the last body it answered."""
+        return self.processes[index].last_cpu_s
+
+    def stop(self):
+        """Kill every child."""
+        for process in self.processes:
+            process.stop()
+
+
+class _Pickler(pickle.Pickler):
+    """Catalog entries go by their id (the worker's own are put back in)."""
+
+    def persistent_id(self, obj):
+        return ("entry", obj.id) if isinstance(obj, ModelEntry) else None
+
+
+class _Unpickler(pickle.Unpickler):
+    def __init__(self, file, catalog):
+        super().__init__(file)
+        self.catalog = catalog
+
+    def persistent_load(self, pid):
+        kind, model_id = pid
+        if kind != "entry":
+            raise pickle.UnpicklingError(f"unknown persistent id {kind!r}")
+        return self.catalog.get(model_id)
+
+
+def _dumps(answer):
+    out = io.BytesIO()
+    _Pickler(out, protocol=pickle.HIGHEST_PROTOCOL).dump(answer)
+    return out.getvalue()
+
+
 def _send(pipe, text, parts):
     pipe.write(HEAD.pack(sum(map(len, parts)), len(text)) + text)
     for part in parts:
@@ -168,14 +238,13 @@ def _read_message(pipe):
 
 def check_body(raw, content_type, catalog, max_body_bytes, dialect="chat"):
     """The child's work: parse ``raw`` and check it as the worker would, with ``dialect``'s
-    codec; return the body."""
+    codec; return ``(body, canonical request)``."""
     from ..contract.json_body import parse_json_body
     from ..contract.validation import refuse_unfit_before_parsing
     from ..dialects import CODECS
     refuse_unfit_before_parsing(raw, catalog)  # cheaper than any parse
     body = parse_json_body(raw, content_type, max_body_bytes)
-    CODECS[dialect].parse(body, catalog, len(raw))
-    return body
+    return body, CODECS[dialect].parse(body, catalog, len(raw))
 
 
 def main():
@@ -197,6 +266,7 @@ def main():
             dialect, _, content_type = head.partition("\n")
         except EOFError:
             return  # the worker exited
+        cpu_started = time.process_time()
         try:
             answer = ("body", check_body(raw, content_type, catalog, max_body_bytes, dialect))
         except GatewayError as err:
@@ -204,7 +274,11 @@ def main():
         except Exception as err:  # noqa: BLE001 - told to the worker, which answers 500
             answer = ("failed", repr(err)[:500])
         del raw
-        _send(stdout, b"", [pickle.dumps(answer, protocol=pickle.HIGHEST_PROTOCOL)])
+        try:
+            payload = _dumps(answer)
+        except (pickle.PicklingError, TypeError, AttributeError) as err:
+            payload = _dumps(("failed", f"the answer could not be pickled: {err!r}"[:500]))
+        _send(stdout, f"{time.process_time() - cpu_started:.6f}".encode(), [payload])
         del answer
 
 

@@ -20,12 +20,19 @@ def generate(codec, parse=None, on_answer=None):
     :raises GatewayError: refused before any byte of the answer (400, 403, 404, 413, 503, ...).
     """
     services = current_app.extensions["kiln"]
-    body, body_bytes = read_body(services, current_app.extensions["kiln.parse_budget"],
-                                 codec.name)
-    parsed = parse(body, body_bytes) if parse is not None else \
-        codec.parse(body, services.catalog, body_bytes)
+    body, body_bytes, checked = read_body(services, current_app.extensions["kiln.parse_budget"],
+                                          codec.name)
+    if parse is not None:
+        parsed = parse(body, body_bytes)
+    else:  # a large body's codec already ran in the child process: not again here
+        parsed = checked if checked is not None else \
+            codec.parse(body, services.catalog, body_bytes)
     check_model(parsed.entry.id)
     lifecycle.check_maintenance()
+    # Image hosts are resolved last: the lookups a request may cost come after every check
+    # that needs none, and within its org's share (gateway/contract/image_hosts.py).
+    current_app.extensions["kiln.image_hosts"].vouch(getattr(parsed, "image_lookups", ()),
+                                                     g.principal.org_id)
     return respond(services, g.principal, parsed, codec, request.environ,
                    on_answer(parsed) if on_answer is not None else None)
 

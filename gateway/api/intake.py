@@ -12,14 +12,18 @@ measures it):
   (:mod:`gateway.api.body_process`): parsing holds the interpreter throughout, so a body the
   contract refuses never becomes Python objects in the worker;
 - the bytes of large bodies one worker holds at once and takes in per second are capped
-  (``KILN_PARSE_BUDGET_BYTES``), and so is the share of time its child spends parsing them
-  (:data:`PARSE_SHARE`, of one core): a large body takes its size from that budget before its
-  first byte is read, then waits for its turn to be parsed, and gets a fast 503 with
-  ``Retry-After`` (its connection closed, the rest of it unread) when either takes longer than
-  ``KILN_PARSE_WAIT_S``, instead of queueing memory or CPU.
+  (``KILN_PARSE_BUDGET_BYTES``), and so is the share of time its children spend parsing one
+  org's bodies (:data:`PARSE_SHARE`, of one core): a large body takes its size from that
+  budget before its first byte is read, then waits for its turn to be parsed, and gets a fast
+  503 with ``Retry-After`` (its connection closed, the rest of it unread) when either takes
+  longer than ``KILN_PARSE_WAIT_S``, instead of queueing memory or CPU;
+- the budget is shared fairly between orgs (:class:`ParseBudget`): one org holds at most half
+  of it (less when more orgs want some), parses one body at a time, and its pause after a
+  parse is its own, so one org's flood of large bodies does not make another org's 503s.
 
 Small bodies (the usual chat request) take no share of the budget and are parsed inline.
 """
+import collections
 import socket
 import time
 
@@ -35,7 +39,8 @@ PART_GAP_S = 0.0005  # the turn they get (read_body)
 DRAIN_BYTES = 64 * 1024  # an unread body this large or more closes its connection (chat.py)
 DRAIN_PIECE = 1024 * 1024  # hang_up reads what was received before it in pieces this large
 HANG_UP_DRAIN_S = 5.0  # and for this long at most
-PARSE_SHARE = 0.25  # of one core's time, at most, spent parsing one worker's large bodies
+PARSE_SHARE = 0.25  # of one core's time, at most, spent parsing one org's large bodies
+PARSERS = 2  # child processes parsing one worker's large bodies (one per org at a time)
 RETRY_AFTER_S = "1"
 
 
@@ -49,46 +54,72 @@ class BodyTimeout(GatewayError):
 
 
 class ParseBudget:
-    """What one worker spends on large request bodies: bytes held, bytes taken in per second,
-    and time spent parsing.
+    """What one worker spends on large request bodies, shared fairly between orgs: bytes
+    held, bytes taken in per second, and time spent parsing.
 
     - At most ``capacity`` bytes of large bodies are held at once (memory), and at most
       ``capacity`` bytes are taken in per second (a token bucket: reading costs the event loop
       a few milliseconds per MiB, so a client sending large bodies without pause cannot keep
       the worker busy reading them).
-    - Large bodies are parsed one at a time, and parsing takes at most :data:`PARSE_SHARE` of
-      a core's time: after a parse of ``t`` seconds the next one waits ``t / PARSE_SHARE - t``.
+    - One org holds at most its share of ``capacity``: ``capacity / max(2, n)`` with ``n``
+      the orgs holding or waiting for a share, so that another org always finds room beside
+      a flood of one. An org that holds nothing may take one body of any size that is free.
+    - Large bodies are parsed by ``parsers`` child processes, one body at a time each; one
+      org parses one body at a time, and at most :data:`PARSE_SHARE` of a core's time: after
+      a parse that cost ``t`` CPU seconds its next one waits ``t / PARSE_SHARE - t``. Another org's
+      body meanwhile takes the next free child, without waiting for that pause.
 
     Whatever cannot be had within ``wait_s`` is a fast 503 with ``Retry-After``.
 
     :param capacity: bytes; a body larger than this takes the whole budget.
+    :param parsers: the child processes (:class:`gateway.api.body_process.BodyProcesses`).
     """
 
-    def __init__(self, capacity, wait_s):
+    def __init__(self, capacity, wait_s, parsers=PARSERS):
         self.capacity = capacity
         self.free = capacity
         self.wait_s = wait_s
+        self.held = collections.Counter()     # org -> bytes it holds
+        self._waiting = collections.Counter()  # org -> its requests waiting for a share
         self._tokens, self._refilled_at = float(capacity), time.monotonic()
         self._changed = Event()
-        self._parsing = False
-        self._next_parse_at = 0.0
+        self._idle = list(range(parsers))     # children with no body
+        self._parsing = set()                 # orgs with a body being parsed
+        self._next_parse_at = {}              # org -> when its next parse may start
 
-    def acquire(self, nbytes):
-        """Take ``nbytes`` (at most the capacity) to hold and to take in; return the amount
-        to :meth:`release` once the body is parsed.
+    def share(self):
+        """The bytes one org may hold now (one body of any size when it holds none)."""
+        active = {org for org, n in self.held.items() if n} | set(self._waiting)
+        return self.capacity // max(2, len(active))
+
+    def acquire(self, org, nbytes):
+        """Take ``nbytes`` (at most the capacity) for ``org`` to hold and to take in; return
+        the amount to :meth:`release` once the body is parsed.
 
         :raises ServiceUnavailable: not within ``wait_s``.
         """
         want = min(nbytes, self.capacity)
-        self._wait_until(lambda: self.free >= want and self._refill() >= want,
-                         lambda: (want - self._tokens) / self.capacity)
+        self._waiting[org] += 1
+        try:
+            self._wait_until(lambda: self._may_hold(org, want) and self._refill() >= want,
+                             lambda: (want - self._tokens) / self.capacity)
+        finally:
+            self._waiting -= collections.Counter({org: 1})  # drops it at zero
+        self.held[org] += want
         self.free -= want
         self._tokens -= want
         return want
 
-    def release(self, amount):
+    def release(self, org, amount):
+        self.held[org] -= amount
+        if not self.held[org]:
+            del self.held[org]
         self.free += amount
         self._changed.set()
+
+    def _may_hold(self, org, want):
+        held = self.held[org]
+        return self.free >= want and (not held or held + want <= self.share())
 
     def _refill(self):
         now = time.monotonic()
@@ -107,20 +138,39 @@ class ParseBudget:
             self._changed.clear()
             self._changed.wait(min(left, max(0.001, retry_in_s())))
 
-    def run(self, func, *args):
-        """Return ``func(*args)`` (or raise its exception) once it is this call's turn to parse.
+    def run(self, org, func, *args, start=None, cost_s=None):
+        """Return ``func(parser, *args)`` (or raise its exception) once it is ``org``'s turn to
+        parse, ``parser`` the index of the child it may use.
 
+        :param start: called with ``parser`` first, its time not counted as parsing (a child
+            starting up).
+        :param cost_s: ``parser -> seconds`` the parse cost (the child's CPU time: on a busy
+            host a niced child takes longer than it works); None: the time ``func`` took.
         :raises ServiceUnavailable: no turn within ``wait_s``.
         """
-        self._wait_until(lambda: not self._parsing and time.monotonic() >= self._next_parse_at,
-                         lambda: self._next_parse_at - time.monotonic())
-        self._parsing, started = True, time.monotonic()
+        self._wait_until(lambda: self._may_parse(org),
+                         lambda: self._next_parse_at.get(org, 0.0) - time.monotonic())
+        parser = self._idle.pop()
+        self._parsing.add(org)
+        started = time.monotonic()
         try:
-            return func(*args)
+            if start is not None:
+                start(parser)
+                started = time.monotonic()
+            return func(parser, *args)
         finally:
-            took = time.monotonic() - started
-            self._parsing, self._next_parse_at = False, started + took / PARSE_SHARE
+            now = time.monotonic()
+            took = cost_s(parser) if cost_s is not None else now - started
+            self._parsing.discard(org)
+            self._idle.append(parser)
+            for other in [o for o, at in self._next_parse_at.items() if at <= now]:
+                del self._next_parse_at[other]  # only orgs still pausing are kept
+            self._next_parse_at[org] = now + took / PARSE_SHARE - took
             self._changed.set()
+
+    def _may_parse(self, org):
+        return (bool(self._idle) and org not in self._parsing
+                and time.monotonic() >= self._next_parse_at.get(org, 0.0))
 
 
 def hang_up(sock):

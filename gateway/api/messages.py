@@ -33,8 +33,8 @@ def count_tokens():
     """Count a Messages request's input tokens: the backend's tokenizer where the catalog
     names one (``tokenize_url``), else Kiln's estimate, which errs upward."""
     services = current_app.extensions["kiln"]
-    body, body_bytes = read_body(services, current_app.extensions["kiln.parse_budget"],
-                                 CODEC.name)
+    body, body_bytes, _ = read_body(services, current_app.extensions["kiln.parse_budget"],
+                                    CODEC.name)
     model = body.get("model") if isinstance(body, dict) else None
     entry = services.catalog.get(model) if isinstance(model, str) else None
     backend = next((b for b in entry.backends if b.tokenize_url), None) if entry else None

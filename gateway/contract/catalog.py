@@ -95,6 +95,9 @@ class ModelEntry:
     # Non-OpenAI parameters forwarded as given (``top_k``, ``repetition_penalty``, ...).
     extra_params: tuple = ()
     image_sources: tuple = DEFAULT_SOURCES  # gateway.contract.images
+    # Hosts of image URLs the operator vouches for (no redirect off them): the only remote
+    # image URLs a model on redirect-following backends is sent (docs/PARAMETERS.md).
+    image_hosts: tuple = ()
     created: int = 0
     owned_by: str = "kiln"
     routing: str = WEIGHTED  # gateway.backends.routing.POLICIES
@@ -119,6 +122,15 @@ class ModelEntry:
         return Timeouts(given.get("connect_s", config.upstream_connect_timeout_s),
                         given.get("first_byte_s", config.upstream_read_timeout_s),
                         given.get("idle_s", config.upstream_read_timeout_s))
+
+    @property
+    def vouched_image_hosts(self):
+        """The image hosts this model's remote image URLs must name (lower case), or None
+        when none of its backends follows redirects fetching them (the ``openai`` family)."""
+        if not any(FAMILIES[b.server].follows_image_redirects for b in self.backends
+                   if b.server in FAMILIES):
+            return None
+        return frozenset(h.lower().rstrip(".") for h in self.image_hosts)
 
     @property
     def max_input_tokens(self):
@@ -195,6 +207,9 @@ def _check_image_sources(entry):
     if not all(isinstance(s, str) and s in SOURCES for s in entry.image_sources):
         raise CatalogError(f"catalog entry {entry.id!r}: image_sources must be a list among "
                            f"{', '.join(SOURCES)}, not {list(entry.image_sources)}")
+    if not all(isinstance(h, str) and h.strip() for h in entry.image_hosts):
+        raise CatalogError(f"catalog entry {entry.id!r}: image_hosts must be a list of host "
+                           f"names, not {list(entry.image_hosts)}")
     if "private" in entry.image_sources and not {"http", "https"} & set(entry.image_sources):
         raise CatalogError(f"catalog entry {entry.id!r}: image_sources \"private\" widens "
                            f"\"http\" or \"https\"; list one of them too")
@@ -213,7 +228,8 @@ def _entry(raw):
                                      "routing", "load_bound", "max_best_of",
                                      "embedding_max_inputs", "embedding_max_input_tokens",
                                      "dimensions", "max_reply_tokens", "tokenizer") if k in raw}
-        extra.update({k: tuple(raw[k]) for k in ("extra_params", "image_sources") if k in raw})
+        extra.update({k: tuple(raw[k]) for k in ("extra_params", "image_sources", "image_hosts")
+                      if k in raw})
         extra["endpoints"] = endpoints
         # An embeddings-only model generates nothing: its max output may be left out (0).
         max_output = raw["max_output_tokens"] if endpoints != (EMBEDDINGS,) \

@@ -46,6 +46,12 @@ class Family:
     token_prompts: bool = True    # it reads prompts and inputs given as token ids
     base64_embeddings: bool = True  # it answers ``encoding_format: "base64"``
     pooled_embeddings: bool = True  # one vector per input (else one per token: Kiln pools)
+    # It fetches image URLs itself, from the operator's network, following redirects (vLLM,
+    # SGLang, llama.cpp, llama-cpp-python; a server of unknown kind is taken to): a public
+    # URL may redirect it to a private address, which Kiln cannot see. Such a model is sent
+    # only URLs of the hosts its catalog vouches for (``image_hosts``); ``openai`` fetches
+    # them from OpenAI's network, outside the operator's.
+    follows_image_redirects: bool = True
 
     @property
     def completion_length_fields(self):
@@ -132,7 +138,8 @@ def _only_text(parts):
 FAMILIES = {f.name: f for f in (
     # A server that implements OpenAI's chat API as published.
     Family("openai", SAMPLING | {"reasoning_effort"}, ("max_tokens", "max_completion_tokens"),
-           developer_role=True, completion_params=TEXT_SAMPLING | {"suffix", "best_of"}),
+           developer_role=True, completion_params=TEXT_SAMPLING | {"suffix", "best_of"},
+           follows_image_redirects=False),
     # Any OpenAI-compatible server: OpenAI's parameters, both length fields, no developer role.
     Family("generic", SAMPLING | {"reasoning_effort"}, ("max_tokens", "max_completion_tokens"),
            completion_params=TEXT_SAMPLING | {"suffix", "best_of"}),

@@ -19,21 +19,27 @@ An IPv6 address that carries an IPv4 one (IPv4-mapped ``::ffff:0:0/96``, IPv4-co
 IPv4 address; the local-use NAT64 prefix ``64:ff9b:1::/48`` (RFC 8215) is never public.
 A host name can resolve differently when the backend fetches it (DNS rebinding): Kiln checks the
 addresses it sees; an operator who needs more blocks egress from the model servers.
+
+A model server that fetches the URL itself follows redirects (vLLM's fetcher does), so a public
+host may send it to a private address on a hop Kiln never sees: a model with such backends
+(every family but ``openai``, :attr:`gateway.contract.families.Family.follows_image_redirects`)
+is sent remote URLs only of the hosts its catalog vouches for (``image_hosts``).
+
+Checking a part here needs no I/O: a URL whose host is a name gives a :class:`Lookup`, which
+the view resolves with the org's share of the worker's resolver
+(:class:`gateway.contract.image_hosts.HostResolver`) and checks with :func:`check_addresses`.
 """
 import binascii
 import ipaddress
 import re
-import socket
+from dataclasses import dataclass
 from urllib.parse import urlsplit
-
-import gevent
 
 from ..errors import InvalidRequest
 
 DEFAULT_SOURCES = ("data", "https")
 SOURCES = ("data", "https", "http", "private")
 MAX_IMAGE_BYTES = 20 * 1024 * 1024
-RESOLVE_TIMEOUT_S = 2.0
 # Leading bytes of each accepted image type.
 MAGIC = {"image/png": (b"\x89PNG\r\n\x1a\n",), "image/jpeg": (b"\xff\xd8\xff",),
          "image/gif": (b"GIF87a", b"GIF89a"), "image/webp": (b"RIFF",)}
@@ -48,10 +54,25 @@ IPV4_IN_LAST_32_BITS = tuple(ipaddress.ip_network(n) for n in (
 LOCAL_NAT64 = ipaddress.ip_network("64:ff9b:1::/48")  # RFC 8215: never globally reachable
 
 
-def check_image_url(value, param, sources=DEFAULT_SOURCES):
-    """Check an ``image_url`` part's value against the model's allowed ``sources``.
+@dataclass(frozen=True)
+class Lookup:
+    """An image URL whose host is a name, to resolve before the request is admitted: where it
+    is (``param``), the name (lower case, no final dot), and whether the model takes
+    private-use addresses."""
+
+    param: str
+    name: str
+    private_ok: bool
+
+
+def check_image_url(value, param, sources=DEFAULT_SOURCES, vouched=None):
+    """Check an ``image_url`` part's value against the model's allowed ``sources``; return the
+    :class:`Lookup` its host name needs, or None (a data: URL, an address).
 
     :param value: ``{"url": ..., "detail": ...}`` (or the URL as a string).
+    :param vouched: None, or the only hosts (lower case) a remote URL may name: the model's
+        backends follow redirects fetching it, so the policy holds only for hosts the operator
+        vouches for (:attr:`gateway.contract.catalog.ModelEntry.vouched_image_hosts`).
     :raises InvalidRequest: 400, ``invalid_type`` or ``invalid_image_url``.
     """
     url = value.get("url") if isinstance(value, dict) else value
@@ -60,62 +81,68 @@ def check_image_url(value, param, sources=DEFAULT_SOURCES):
                              param=param, code="invalid_type")
     if url[:5].lower() == "data:":
         if "data" not in sources:
-            raise _refused(param, "data: URLs are not accepted by this model")
-        return _check_data_url(url, param)
+            raise refused(param, "data: URLs are not accepted by this model")
+        _check_data_url(url, param)
+        return None
     scheme = url.split(":", 1)[0].lower()
     if scheme not in ("http", "https") or scheme not in sources:
         allowed = [s for s in sources if s != "private"]
-        raise _refused(param, f"only {', '.join(allowed)} image URLs are accepted")
-    _check_host(url, param, "private" in sources)
+        raise refused(param, f"only {', '.join(allowed)} image URLs are accepted")
+    return _check_host(url, param, "private" in sources, vouched)
 
 
 def _check_data_url(url, param):
     match = _DATA_URL.match(url)
     media_type = match.group(1).lower() if match else None
     if media_type not in MAGIC:
-        raise _refused(param, f"a data: URL must be base64 of one of {', '.join(MAGIC)}")
+        raise refused(param, f"a data: URL must be base64 of one of {', '.join(MAGIC)}")
     payload = url[match.end():]
     if len(payload) * 3 // 4 > MAX_IMAGE_BYTES:
-        raise _refused(param, f"the image is larger than {MAX_IMAGE_BYTES} bytes")
+        raise refused(param, f"the image is larger than {MAX_IMAGE_BYTES} bytes")
     try:
         head = binascii.a2b_base64(payload[:64].encode("ascii"), strict_mode=True)
         binascii.a2b_base64(payload.encode("ascii"), strict_mode=True)
     except (binascii.Error, UnicodeEncodeError) as err:
-        raise _refused(param, "the data: URL is not valid base64") from err
+        raise refused(param, "the data: URL is not valid base64") from err
     if not head.startswith(MAGIC[media_type]):
-        raise _refused(param, f"the data: URL's bytes are not {media_type}")
+        raise refused(param, f"the data: URL's bytes are not {media_type}")
 
 
-def _check_host(url, param, private_ok):
+def _check_host(url, param, private_ok, vouched=None):
     try:
         parts = urlsplit(url)
         host = parts.hostname
         parts.port  # noqa: B018 - raises ValueError on a malformed port
     except ValueError as err:
-        raise _refused(param, "the URL is malformed") from err
+        raise refused(param, "the URL is malformed") from err
     if not host or parts.username is not None or parts.password is not None:
-        raise _refused(param, "the URL needs a host and no user name or password")
-    for address in _addresses(host, param, private_ok):
+        raise refused(param, "the URL needs a host and no user name or password")
+    if vouched is not None and host.rstrip(".").lower() not in vouched:
+        raise refused(param, "this model's servers follow redirects when they fetch an image, "
+                      "so only URLs of the hosts its catalog vouches for are accepted; send "
+                      "the image as a data: URL")
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        name = host.rstrip(".").lower()
+        if not private_ok and ("." not in name or name.endswith(LOCAL_SUFFIXES)):
+            raise refused(param, "the URL names a local host") from None
+        return Lookup(param, name, private_ok)
+    check_addresses([address], param, private_ok)
+    return None
+
+
+def check_addresses(addresses, param, private_ok):
+    """Refuse an image URL whose host is, or resolved to, an address the model does not take.
+
+    :param addresses: ``ipaddress`` objects, every one of which must be allowed.
+    :raises InvalidRequest: 400 ``invalid_image_url``.
+    """
+    for address in addresses:
         if not _allowed(address, private_ok):
-            raise _refused(param, "the URL names a loopback, link-local or reserved address"
+            raise refused(param, "the URL names a loopback, link-local or reserved address"
                            if private_ok else "the URL names a loopback, private, link-local "
                            "or reserved address")
-
-
-def _addresses(host, param, private_ok):
-    try:
-        return [ipaddress.ip_address(host)]
-    except ValueError:
-        pass
-    name = host.rstrip(".").lower()
-    if not private_ok and ("." not in name or name.endswith(LOCAL_SUFFIXES)):
-        raise _refused(param, "the URL names a local host")
-    try:
-        with gevent.Timeout(RESOLVE_TIMEOUT_S):
-            infos = socket.getaddrinfo(name, None, proto=socket.IPPROTO_TCP)
-    except (OSError, UnicodeError, gevent.Timeout) as err:
-        raise _refused(param, f"the host {name[:100]!r} could not be resolved") from err
-    return [ipaddress.ip_address(info[4][0].split("%")[0]) for info in infos]
 
 
 def _allowed(address, private_ok):
@@ -140,5 +167,6 @@ def embedded_ipv4(address):
     return address
 
 
-def _refused(param, why):
+def refused(param, why):
+    """The 400 ``invalid_image_url`` of the part at ``param``, saying ``why``."""
     return InvalidRequest(f"Invalid '{param}': {why}.", param=param, code="invalid_image_url")

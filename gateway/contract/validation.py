@@ -105,6 +105,8 @@ class ChatRequest:
     body_bytes: int
     has_images: bool
     conversation_key: str = ""   # system prompt + first user turn (prefix-affinity routing)
+    # Image URLs whose hosts are names, resolved and checked before admission (api/generate.py).
+    image_lookups: tuple = ()
     extras: dict = field(default_factory=dict)  # catalog-allowed non-OpenAI parameters
     response_headers: dict = field(default_factory=dict)  # what the codec tells in the answer
 
@@ -163,7 +165,26 @@ def validate_chat(body, catalog, body_bytes):
     checked = parameters.check(body, entry)
     return ChatRequest(entry=entry, messages=messages, body_bytes=body_bytes,
                        has_images=has_images, conversation_key=_conversation_key(messages),
+                       image_lookups=_image_lookups(messages, entry) if has_images else (),
                        **checked)
+
+
+def _image_lookups(messages, entry):
+    """The :class:`gateway.contract.images.Lookup` of each image URL whose host is a name
+    (the parts are valid: :func:`_messages` checked them)."""
+    found = []
+    for i, message in enumerate(messages):
+        content = message.get("content")
+        for j, part in enumerate(content if isinstance(content, list) else ()):
+            if part.get("type") != "image_url":
+                continue
+            value = part["image_url"]
+            url = value.get("url") if isinstance(value, dict) else value
+            if url[:5].lower() != "data:":
+                found.append(images.check_image_url(value, f"messages[{i}].content[{j}]"
+                                                    ".image_url", entry.image_sources,
+                                                    entry.vouched_image_hosts))
+    return tuple(lookup for lookup in found if lookup is not None)
 
 
 _MODEL_MEMBER = re.compile(rb'"model"\s*:\s*"([^"\\]{1,256})"')
@@ -324,7 +345,8 @@ def _part(part, where, role, entry):
     if kind in ("text", "refusal"):
         require_string(value, f"{where}.{kind}")
     elif kind == "image_url":
-        images.check_image_url(value, f"{where}.image_url", entry.image_sources)
+        images.check_image_url(value, f"{where}.image_url", entry.image_sources,
+                               entry.vouched_image_hosts)
         if isinstance(value, dict):  # a bare URL string is accepted too
             _part_object(value, kind, where)
         return True

@@ -39,6 +39,7 @@ input = ["text", "image"]
 parallel_tool_calls = true
 forced_tool_choice = true
 response_format = true
+image_hosts = ["1.1.1.1", "2606:4700::1111"]
 pricing = {{ input = "1.25", cached_input = "0.125", output = "10" }}
 backends = [{{ url = "{url}", model = "upstream-vision" }}]
 
@@ -209,7 +210,9 @@ def write_fleet_catalog(path, urls, routing="least-outstanding", timeouts="first
     return path
 
 
-# Vision models that differ only in image_sources (the image-source tests, both layers).
+# Vision models that differ only in image_sources (the image-source tests, both layers), on
+# the openai family's backends: they fetch images outside the operator's network, so the
+# sources alone decide (a self-hosted family's image_hosts: test_image_redirects.py).
 IMAGE_SOURCES_MODEL = """
 [[models]]
 id = "{id}"
@@ -218,7 +221,7 @@ max_output_tokens = 256
 input = ["text", "image"]
 {sources}
 pricing = {{ input = "1", cached_input = "0.5", output = "2" }}
-backends = [{{ url = "{url}", model = "upstream-vision" }}]
+backends = [{{ url = "{url}", model = "upstream-vision", server = "openai" }}]
 """
 IMAGE_SOURCES = {"data-only": '["data"]', "https-private": '["https", "private"]',
            "data-http": '["data", "http"]', "default": None}

@@ -59,6 +59,24 @@ def test_a_valid_large_body_is_served_as_parsed_by_the_child(kiln):
     assert trace(engine, other.id) == (1, 0, START_NANOS, 0, 0)
 
 
+def test_a_large_bodys_request_is_checked_in_the_child_not_again_in_the_worker(kiln,
+                                                                              monkeypatch):
+    """The child answers the canonical request its codec built: the worker's event loop does
+    not check the body a second time."""
+    app, engine = kiln
+    import gateway.dialects.chat
+    checked, real = [], gateway.dialects.chat.validate_chat
+    monkeypatch.setattr(gateway.dialects.chat, "validate_chat",
+                        lambda *args: checked.append(args[2]) or real(*args))
+    other = factories.org(engine)
+    # Accepted, then no backend: 502 (or 503 once its failures opened the breaker).
+    r = post(app, other, json.dumps(factories.chat_body()).encode() + PAD)
+    assert r.status_code == 502 or r.get_json()["error"]["code"] == "no_backend_available"
+    assert checked == []
+    small = json.dumps(factories.chat_body()).encode()
+    assert post(app, other, small).status_code in (502, 503) and checked == [len(small)]
+
+
 def test_the_worker_never_parses_a_large_body_the_child_refuses(kiln, org, monkeypatch):
     app, _ = kiln
     parsed = []

@@ -1,13 +1,14 @@
 """The catalog's per-model ``image_sources`` in process (``gateway/contract/images.py``,
 docs/PARAMETERS.md): the catalog refusing a bad value and loading good ones as listed; host names
-judged by everything they resolve to; IPv6 forms that carry an IPv4 address. Through gunicorn
-with the official SDK: functional/api/test_image_sources.py."""
-import socket
-
+judged by everything they resolve to (a real name server: tests/support/dns_server.py); IPv6
+forms that carry an IPv4 address. Through gunicorn with the official SDK:
+functional/api/test_image_sources.py."""
 import pytest
 
+from dns_server import DnsServer
 from factories import IMAGE_SOURCES, image_sources_catalog
 from gateway.contract import images
+from gateway.contract.image_hosts import HostResolver
 from gateway.contract.catalog import CatalogError, load_catalog
 from gateway.errors import InvalidRequest
 
@@ -54,26 +55,28 @@ RESOLVES = {"images.example.com": ["93.184.216.34", "2606:2800:220:1::1"],
             "imagestore": ["10.1.2.4"], "localhost": ["127.0.0.1", "::1"]}
 
 
+@pytest.fixture(scope="module")
+def dns():
+    with DnsServer(RESOLVES) as server:
+        yield server
+
+
 @pytest.fixture
-def resolver(monkeypatch):
-    """``socket.getaddrinfo`` as ``images`` calls it, answering from :data:`RESOLVES`; the
-    names it was asked are in the returned list."""
-    asked = []
-
-    def getaddrinfo(name, port, *args, **kwargs):
-        asked.append(name)
-        if name not in RESOLVES:
-            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
-        return [(socket.AF_INET6 if ":" in a else socket.AF_INET, socket.SOCK_STREAM, 6, "",
-                 (a, 0)) for a in RESOLVES[name]]
-    monkeypatch.setattr(images.socket, "getaddrinfo", getaddrinfo)
-    return asked
+def resolver(dns):
+    """A resolver asking :data:`RESOLVES`' name server; ``resolver.asked`` the names it asked
+    (in this test)."""
+    before = len(dns.queries)
+    resolver = HostResolver(dns.nameserver, timeout_s=5.0)
+    resolver.asked = lambda: dns.queries[before:]
+    return resolver
 
 
-def verdict(url, sources):
+def verdict(url, sources, resolver=None):
     """``"ok"``, or the message of the 400 ``invalid_image_url``."""
     try:
-        images.check_image_url({"url": url}, "p", sources)
+        lookup = images.check_image_url({"url": url}, "p", sources)
+        if lookup is not None:
+            resolver.vouch([lookup], org=1)
     except InvalidRequest as err:
         assert err.code == "invalid_image_url" and err.param == "p"
         return err.message
@@ -99,14 +102,14 @@ PUBLIC, PRIVATE = ("https",), ("https", "private")
 ])
 def test_a_host_name_is_judged_by_every_address_it_resolves_to(resolver, host, public, private):
     for sources, expect in ((PUBLIC, public), (PRIVATE, private)):
-        got = verdict(f"https://{host}/cat.png", sources)
+        got = verdict(f"https://{host}/cat.png", sources, resolver)
         assert (got == "ok") if expect == "ok" else (expect in got), (sources, got)
 
 
 def test_a_local_name_is_refused_without_asking_the_resolver(resolver):
-    assert "local host" in verdict("https://store.corp.internal/a.png", PUBLIC)
-    assert "local host" in verdict("https://imagestore/a.png", PUBLIC)
-    assert resolver == []
+    assert "local host" in verdict("https://store.corp.internal/a.png", PUBLIC, resolver)
+    assert "local host" in verdict("https://imagestore/a.png", PUBLIC, resolver)
+    assert resolver.asked() == []
 
 
 WRAPPED = [  # IPv6 forms whose last bits are an IPv4 address: (literal, the IPv4 it carries)

@@ -41,7 +41,8 @@ def relayed(cut, matched_stops=None):
 CODEC = MessagesCodec()
 CATALOG = {
     "m": model_entry(),  # 4096-token window, 1024 max output, text only
-    "vision": model_entry(id="vision", input=("text", "image"), forced_tool_choice=True),
+    "vision": model_entry(id="vision", input=("text", "image"), forced_tool_choice=True,
+                          image_hosts=("93.184.216.34",)),
     "gpt-oss": model_entry(id="gpt-oss", family="gpt-oss", parallel_tool_calls=True,
                            forced_tool_choice=True, extra_params=("top_k",)),
 }
