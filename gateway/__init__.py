@@ -18,7 +18,7 @@ def create_app(config=None, environ=None):
     from .backends import health
     from .dialects.responses import ResponsesCodec
     from .errors import register_error_handlers
-    from .ops import lifecycle
+    from .ops import lifecycle, tracing
     if not isinstance(config, Config):
         config = Config.from_mapping(config)
     app = Flask(__name__)
@@ -44,6 +44,7 @@ def create_app(config=None, environ=None):
     # After the hook above, so that a preflight's log line has the client address.
     cors.init_app(app, config.cors_origins)
     logging.getLogger("kiln.requests").setLevel(logging.INFO)
+    tracing.install(app, config)  # outermost: the request's span covers everything else
     return app
 
 
