@@ -12,7 +12,7 @@ import pytest
 
 from gateway.backends.spans import NO_SPANS, NoSpans, _NoTry
 from gateway.config import Config
-from gateway.ops.tracing import RequestSpans, _Try
+from gateway.ops.otel import RequestSpans, _Try
 from gateway_proc import ROOT
 from otlp_collector import OtlpCollector
 
