@@ -211,6 +211,24 @@ def test_a_request_without_traceparent_starts_a_trace_of_its_own(traced, collect
     assert fake.requests[-1].headers["traceparent"].split("-")[1] == server.trace_id
 
 
+def test_a_caller_that_does_not_sample_is_followed_and_its_trace_passed_on(
+        traced, collector, fake, org):
+    """A ``traceparent`` whose flags say not sampled: Kiln records nothing of the request (the
+    SDK's default sampler follows its parent) and passes the trace on, still not sampled."""
+    _, trace_id, caller_span = new_traceparent()
+    resp = post(traced, org, "/v1/chat/completions", chat_body(),
+                traceparent=f"00-{trace_id}-{caller_span}-00")
+    assert resp.status_code == 200
+    version, sent_trace, sent_span, flags = fake.requests[-1].headers["traceparent"].split("-")
+    assert (version, sent_trace, flags) == ("00", trace_id, "00") and sent_span != caller_span
+    # A sampled request after it: once its spans are in, the first one's would be too.
+    header, later_trace, _ = new_traceparent()
+    assert post(traced, org, "/v1/chat/completions", chat_body(),
+                traceparent=header).status_code == 200
+    request_trace(collector, later_trace, "kiln.settlement")
+    assert collector.trace(trace_id) == {}
+
+
 def test_no_span_carries_a_prompt_an_answer_or_a_key(traced, collector, fake, org):
     """Run after the others in this module: every span the collector holds is checked."""
     fake.enqueue(json_reply(chat_completion(ANSWER)))
@@ -221,13 +239,14 @@ def test_no_span_carries_a_prompt_an_answer_or_a_key(traced, collector, fake, or
     collector.wait_for(lambda spans: any(s.attributes.get("kiln.generation_id") == gid
                                          for s in spans))
     spans = collector.snapshot()
-    secret_part = org.key.split("-", 1)[1]  # the key without its public "kiln-" prefix
+    display_prefix = org.key[:12]  # "kiln-" and the key's first 7 random characters
+    secret = org.key[5:]
     for span in spans:
         texts = [span.name] + [name for name, _ in span.events] + [
             json.dumps(v) if not isinstance(v, str) else v for v in span.attributes.values()]
         for text in texts:
             assert PROMPT not in text and ANSWER not in text, (span.name, text)
-            assert secret_part[:12] not in text and org.key not in text, (span.name, text)
+            assert display_prefix not in text and secret[:7] not in text, (span.name, text)
     assert len(spans) >= 5
 
 
