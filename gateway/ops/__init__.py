@@ -1,5 +1,5 @@
 """What runs the gateway around the requests: maintenance, the sweeper and draining
-(:mod:`.lifecycle`), metrics, and the ``kiln`` command.
+(:mod:`.lifecycle`), metrics, traces (:mod:`.tracing`, :mod:`.otel`), and the ``kiln`` command.
 
 May import ``ledger``, ``contract`` (the catalog), ``backends`` and the shared modules; never
 ``api``, ``dialects`` or ``flow``.
