@@ -229,6 +229,26 @@ def test_a_caller_that_does_not_sample_is_followed_and_its_trace_passed_on(
     assert collector.trace(trace_id) == {}
 
 
+def test_a_worker_that_stops_exports_the_spans_it_still_holds(
+        pg_url, catalog_path, collector, fake, org):
+    """Batches leave every 10 minutes here: the request's spans are held until the graceful
+    stop, whose ``worker_exit`` flushes them before the worker exits."""
+    env = {**gateway_env(pg_url, catalog_path, otel_endpoint=collector.endpoint),
+           "OTEL_BSP_SCHEDULE_DELAY": "600000"}
+    gw = Gateway(env, workers=1).start()
+    try:
+        header, trace_id, _ = new_traceparent()
+        resp = post(gw, org, "/v1/chat/completions", chat_body(), traceparent=header)
+        assert resp.status_code == 200
+        assert collector.trace(trace_id) == {}  # still in the worker's batch
+    finally:
+        gw.stop()
+    spans = collector.trace(trace_id)
+    assert {"kiln.admission", "chat upstream-fake", "kiln.settlement"} <= set(spans)
+    assert server_span(spans).attributes["kiln.generation_id"] == \
+        resp.headers[GENERATION_HEADER]
+
+
 def test_no_span_carries_a_prompt_an_answer_or_a_key(traced, collector, fake, org):
     """Run after the others in this module: every span the collector holds is checked."""
     fake.enqueue(json_reply(chat_completion(ANSWER)))
