@@ -24,12 +24,14 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.trace import SpanKind, Status, StatusCode, set_span_in_context
 
+from ..backends.relay import ClientGone
 from ..backends.spans import ENVIRON_KEY, NO_SPANS
 
 TRACES_PATH = "/v1/traces"  # OTLP/HTTP: the traces signal's path under the endpoint
 TRACER_NAME = "kiln.gateway"
 ERROR_TYPE = "error.type"
 OPERATION = "gen_ai.operation.name"
+CLIENT_LEFT = (ClientGone, GeneratorExit)  # how a span's block ends when its client left
 __all__ = ["ENVIRON_KEY", "RequestSpans", "Tracing", "TracingMiddleware"]
 
 
@@ -235,7 +237,9 @@ class _Internal:
 
     def __exit__(self, kind, exc, tb):
         self.spans._open.remove(self.span)
-        if kind is not None:
+        if kind is not None and issubclass(kind, CLIENT_LEFT):
+            self.span.set_attribute("kiln.client_gone", True)  # the client's doing, no error
+        elif kind is not None:
             # The type (or the gateway's code) only: an error's message may quote a backend's
             # answer, which may quote the prompt.
             error = getattr(exc, "code", None) or kind.__name__

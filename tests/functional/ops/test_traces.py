@@ -13,9 +13,9 @@ import pytest
 import requests
 
 from factories import chat_body
-from fake_upstream import (COMPLETIONS_PATH, EMBEDDINGS_PATH, chat_chunk, chat_completion,
-                           embeddings_list, error_reply, json_reply, make_usage, sse,
-                           text_completion)
+from fake_upstream import (COMPLETIONS_PATH, EMBEDDINGS_PATH, Hang, Send, Status, chat_chunk,
+                           chat_completion, embeddings_list, error_reply, json_reply, make_usage,
+                           sse, sse_event, text_completion)
 from gateway_proc import Gateway, gateway_env, settled_event
 from otlp_collector import OtlpCollector
 
@@ -198,6 +198,26 @@ def test_a_failed_try_is_a_failed_client_span_and_the_request_says_how_it_ended(
     (attempt,) = spans["chat upstream-fake"]
     assert attempt.status == "error"
     assert attempt.attributes["kiln.backend.outcome"] == "upstream_error"
+
+
+def test_a_client_that_leaves_mid_stream_ends_the_stream_span_without_error(
+        traced, collector, fake, org, engine):
+    fake.enqueue([Status(200, {"Content-Type": "text/event-stream"}),
+                  Send(sse_event(chat_chunk("Hi", role="assistant"))), Hang()])
+    header, trace_id, _ = new_traceparent()
+    resp = post(traced, org, "/v1/chat/completions", chat_body(stream=True),
+                traceparent=header, stream=True)
+    assert resp.status_code == 200
+    next(line for line in resp.iter_lines() if line.startswith(b"data:"))
+    resp.close()
+    event = settled_event(engine, resp.headers[GENERATION_HEADER])
+    assert event["status"] == "client_cancelled"
+    spans = request_trace(collector, trace_id, "kiln.stream", "kiln.settlement")
+    (stream,) = spans["kiln.stream"]
+    assert stream.attributes.get("kiln.client_gone") is True and stream.status == "unset"
+    server = server_span(spans)
+    check_usage(server, event)
+    assert server.status == "unset" and "error.type" not in server.attributes
 
 
 def test_a_request_without_traceparent_starts_a_trace_of_its_own(traced, collector, fake, org):
