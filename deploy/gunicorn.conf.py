@@ -96,9 +96,9 @@ def child_exit(server, worker):
 
 
 def post_worker_init(worker):
-    """Keep expected request errors out of stderr, answer unparsable requests in the envelope,
-    and end running generations before a graceful stop's deadline (runs in each worker, after
-    the app loaded).
+    """Start the worker's tracing (when on), keep expected request errors out of stderr, answer
+    unparsable requests in the envelope, and end running generations before a graceful stop's
+    deadline (runs in each worker, after the app loaded).
 
     gevent prints every exception a greenlet dies with, message and traceback, to stderr. The
     gateway's upstream greenlets end with a GatewayError (502, 400, ...) as an ordinary result
@@ -110,6 +110,8 @@ def post_worker_init(worker):
     from gunicorn import util
 
     from gateway.errors import GatewayError
+    from gateway.ops.tracing import start_worker
+    start_worker(worker.wsgi)  # this worker's tracer provider, after the fork (docs/TRACES.md)
     hub = get_hub()
     hub.NOT_ERROR = tuple(hub.NOT_ERROR) + (GatewayError,)
     util.write_error = _write_error_envelope
@@ -145,6 +147,9 @@ def _end_generations_before_the_kill(worker):
 
 def worker_exit(server, worker):
     """Commit this worker's queued settlements before it exits (stop, reload, max_requests):
-    a graceful stop loses no bill. Runs in the worker, after its last request."""
+    a graceful stop loses no bill; then export its last spans. Runs in the worker, after its
+    last request."""
     from gateway.ops.lifecycle import drain
+    from gateway.ops.tracing import stop_worker
     drain(worker.wsgi)
+    stop_worker(worker.wsgi)  # export the spans still batched

@@ -19,7 +19,7 @@ def create_app(config=None, environ=None):
     from .contract.image_hosts import HostResolver
     from .dialects.responses import ResponsesCodec
     from .errors import register_error_handlers
-    from .ops import lifecycle, webhooks
+    from .ops import lifecycle, tracing, webhooks
     if not isinstance(config, Config):
         config = Config.from_mapping(config)
     app = Flask(__name__)
@@ -51,6 +51,7 @@ def create_app(config=None, environ=None):
     # After the hook above, so that a preflight's log line has the client address.
     cors.init_app(app, config.cors_origins)
     logging.getLogger("kiln.requests").setLevel(logging.INFO)
+    tracing.install(app, config)  # outermost: the request's span covers everything else
     return app
 
 

@@ -7,6 +7,10 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 DEFAULT_SQLITE = "sqlite:///kiln.db"
+# Settings that an OpenTelemetry variable gives when their KILN_* one is unset (the
+# OpenTelemetry specification, "Environment Variable Specification" and OTLP exporter).
+STANDARD = {"otel_endpoint": "OTEL_EXPORTER_OTLP_ENDPOINT",
+            "otel_service_name": "OTEL_SERVICE_NAME"}
 
 
 @dataclass(frozen=True)
@@ -107,6 +111,11 @@ class Config:
     image_cache_size: int = 4096
     image_cache_ttl_s: float = 300.0
     image_negative_ttl_s: float = 30.0
+    # Traces (docs/TRACES.md): the OTLP/HTTP endpoint spans are exported to (base URL; spans go
+    # to {endpoint}/v1/traces); empty: tracing off. Unset, the standard
+    # OTEL_EXPORTER_OTLP_ENDPOINT is read instead.
+    otel_endpoint: str = ""
+    otel_service_name: str = "kiln-gateway"
 
     @classmethod
     def from_mapping(cls, values=None):
@@ -118,7 +127,8 @@ class Config:
         values = dict(values or {})
         kwargs = {}
         for f in fields(cls):
-            raw = values.get(f.name, os.environ.get("KILN_" + f.name.upper()))
+            raw = values.get(f.name, os.environ.get("KILN_" + f.name.upper(),
+                                                    os.environ.get(STANDARD.get(f.name, ""))))
             if raw is None:
                 continue
             kwargs[f.name] = _coerce(f.name, f.type, raw)

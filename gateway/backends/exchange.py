@@ -15,6 +15,7 @@ import gevent
 from . import upstream
 from ..errors import UpstreamTooLarge
 from .relay import ClientGone, ClientWatch, Pump, UpstreamCall, keepalives_until_answered
+from .spans import NO_SPANS
 
 log = logging.getLogger("kiln.requests")
 
@@ -32,12 +33,15 @@ class Exchange:
         ``/completions``, ``/embeddings``).
     :param max_reply_bytes: the largest whole (non-stream) reply read for this request; None:
         ``KILN_MAX_REPLY_BYTES`` (docs/RELIABILITY.md, "Big answers").
+    :param spans: the request's spans (:mod:`gateway.backends.spans`): a client span per try,
+        whose context the backend is sent as ``traceparent``.
     """
 
     def __init__(self, services, route, timeouts, build_body, stream, sock,
-                 path=upstream.CHAT_PATH, max_reply_bytes=None):
+                 path=upstream.CHAT_PATH, max_reply_bytes=None, spans=NO_SPANS):
         self.services, self.route, self.timeouts = services, route, timeouts
-        self.path = path
+        self.path, self.spans = path, spans
+        self._attempt = None  # the span of the try that answered, and its HTTP status
         self.max_reply_bytes = max_reply_bytes or services.config.max_reply_bytes
         self.oversized_bytes = None  # a reply over the bound: the bytes read of it
         self.reply_bytes = 0         # the size of the whole reply read
@@ -89,10 +93,12 @@ class Exchange:
         upstream.set_read_timeout(resp, self.timeouts.idle_s)
         try:
             raw = upstream.read_whole(resp, self.max_reply_bytes)
-        except BaseException:
+        except BaseException as err:
             upstream.shutdown(resp)
+            self._attempt[0].end(error=err)
             raise
         upstream.close(resp)
+        self._attempt[0].end(status=resp.status_code)
         self.reply_bytes = len(raw)
         return raw
 
@@ -149,9 +155,16 @@ class Exchange:
         return self.route.open(self._try, self._first_timeouts())
 
     def _try(self, backend, timeouts_s):
-        resp = upstream.open_chat(self.services.session, backend, self._build_body(backend),
-                                  timeouts_s, self.path)
-        return upstream.event_stream(resp) if self._stream else resp
+        attempt = self.spans.backend_try(backend)
+        try:
+            resp = upstream.open_chat(self.services.session, backend, self._build_body(backend),
+                                      timeouts_s, self.path, attempt.headers())
+            resp = upstream.event_stream(resp) if self._stream else resp
+        except BaseException as err:
+            attempt.end(error=err)
+            raise
+        self._attempt = attempt, resp.status_code
+        return resp
 
     def _observe_answer(self, sent):
         """Count the time from sending to the backend's answer (a stream's status line, a
@@ -202,3 +215,5 @@ class Exchange:
             self.watch.stop()
         self._abort()
         self.route.release()
+        if self._attempt is not None:  # a stream's try ends with its relay
+            self._attempt[0].end(status=self._attempt[1])

@@ -39,13 +39,14 @@ def auth_headers(backend):
     return {"Authorization": "Bearer " + backend.api_key} if backend.api_key else {}
 
 
-def post(session, url, payload, timeouts_s, api_key=None):
+def post(session, url, payload, timeouts_s, api_key=None, headers=None):
     """POST ``payload`` to ``url`` through the session's adapter and return the response once
     its status line is in (the body is not read).
 
     The request is prepared once per URL and copied (``Session.request`` would merge settings,
     cookies, hooks and the environment again on every call); no redirects are followed. The
-    backend's ``api_key`` goes on the copy, never on the shared template.
+    backend's ``api_key`` and this request's own ``headers`` (a trace's ``traceparent``) go on
+    the copy, never on the shared template.
     """
     template = session.kiln_prepared.get(url)
     if template is None:
@@ -56,6 +57,8 @@ def post(session, url, payload, timeouts_s, api_key=None):
     prepared.headers["Content-Length"] = str(len(payload))
     if api_key:
         prepared.headers["Authorization"] = "Bearer " + api_key
+    if headers:
+        prepared.headers.update(headers)
     return session.get_adapter(url).send(prepared, stream=True, timeout=timeouts_s)
 
 
@@ -65,7 +68,7 @@ def encode_body(body):
     return json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
 
 
-def open_chat(session, backend, payload, timeouts_s, path=CHAT_PATH):
+def open_chat(session, backend, payload, timeouts_s, path=CHAT_PATH, headers=None):
     """POST ``payload`` to ``backend``'s endpoint at ``path`` (under its base URL: chat
     completions unless told, ``/completions``, ``/embeddings``); return the response once its
     status is in. Every endpoint's failures map through the same table (README, "API").
@@ -74,6 +77,7 @@ def open_chat(session, backend, payload, timeouts_s, path=CHAT_PATH):
 
     :param payload: the JSON body (bytes) built for this backend (:func:`encode_body`).
     :param timeouts_s: ``(connect, read)`` seconds; read applies to every wait for bytes.
+    :param headers: more request headers (W3C Trace Context, docs/TRACES.md), or None.
     :raises UpstreamError: unreachable (code :data:`UNREACHABLE`), timed out (connecting or
         waiting for the status line: :data:`CONNECT_TIMEOUT`, :data:`FIRST_BYTE_TIMEOUT`), or
         5xx (502, plain text).
@@ -82,7 +86,7 @@ def open_chat(session, backend, payload, timeouts_s, path=CHAT_PATH):
     """
     try:
         resp = post(session, backend.url.rstrip("/") + path, payload, timeouts_s,
-                    backend.api_key)
+                    backend.api_key, headers)
     except requests.ConnectTimeout as err:
         raise UpstreamTimeout(f"The model backend did not accept the connection within "
                               f"{timeouts_s[0]:g} s (connect timeout).",

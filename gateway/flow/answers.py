@@ -50,6 +50,7 @@ def complete(gen, exchange, request, codec):
     usage = gen.final_usage()
     stops_hit = apply_to_completion(completion, request.stop, request.single_tool_call,
                                     getattr(request, "echoed", None))
+    exchange.spans.note_reply(completion)
     _turn(large)
     yield Head(200, "application/json", {})
     return lambda charged_usd: codec.render_json(completion, usage, charged_usd, request,
@@ -161,11 +162,12 @@ def stream(gen, exchange, request, renderer):
     pump = exchange.take(resp)
     rules = StreamRules(gen.meter, request.stop, request.single_tool_call,
                         getattr(request, "echoed", None))
-    unfinished = yield from relay_stream(
-        pump, lambda payloads: _apply(gen, rules, renderer, payloads), gen.check_lease,
-        config.keepalive_s, exchange.timeouts.idle_s, config.max_event_bytes,
-        renderer.keepalive)
-    check_complete(rules, unfinished)
+    with exchange.spans.span("kiln.stream"):  # the first token is an event of it
+        unfinished = yield from relay_stream(
+            pump, lambda payloads: _apply(gen, rules, renderer, payloads), gen.check_lease,
+            config.keepalive_s, exchange.timeouts.idle_s, config.max_event_bytes,
+            renderer.keepalive)
+        check_complete(rules, unfinished)
     exchange.finish(keep_connection=pump.complete and not rules.cut)  # a cut one stops now
     return lambda charged_usd: renderer.end(gen.final_usage(), charged_usd, rules)
 
@@ -178,6 +180,7 @@ def _apply(gen, rules, renderer, payloads):
         kept = rules.apply(payload)
         if kept is not None:
             out.append(renderer.chunk(*kept))
+            gen.exchange.spans.note_reply(kept[1])
         if rules.cut or rules.error is not None:
             break
     if out and gen.meter.deltas:

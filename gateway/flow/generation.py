@@ -90,6 +90,7 @@ class Generation:
         if self.first_token_s is None:
             self.first_token_s = time.monotonic() - self.started
             self.first_token_at = utcnow()
+            self.exchange.spans.event("kiln.first_token")
 
     # -- metering ------------------------------------------------------------------------------
 

@@ -18,6 +18,7 @@ from ..backends.exchange import Exchange
 from ..backends.fleet import Route
 from ..backends.health import BackendStates
 from ..backends.relay import ClientGone, guard_writes
+from ..backends.spans import spans_of
 from ..backends.upstream import encode_body
 from ..contract.tokenizers import LocalTokenizers
 from ..contract.validation import EMBEDDINGS_ANSWER
@@ -26,6 +27,7 @@ from ..errors import GENERATION_HEADER, GatewayError
 from . import answers
 from .generation import Generation, admit
 from .outcomes import outcome_for, stream_error
+from .traces import ending_attributes, request_attributes
 
 
 @dataclass(frozen=True)
@@ -63,17 +65,22 @@ def respond(services, principal, request, codec, environ, on_answer=None):
     :raises GatewayError: refused before any byte of the answer (402, 429, 502, 503, ...);
         an admitted generation is settled before this is raised.
     """
+    spans = spans_of(environ)
+    if spans.recording:
+        spans.set(request_attributes(request, codec.name))
     route = Route(services, request.entry, request.routing_messages)
     route.take(services.config.backend_wait_s)  # 503 when none is free, before any charge
     try:
-        admission = admit(services, principal, request, codec.name)
+        with spans.span("kiln.admission"):
+            admission = admit(services, principal, request, codec.name)
     except BaseException:
         route.release()
         raise
     sock = environ.get("gunicorn.socket")
     exchange = Exchange(services, route, request.entry.timeouts_for(services.config),
                         lambda backend: encode_body(request.body_for(backend)),
-                        request.stream, sock, request.path, _reply_bound(services, request))
+                        request.stream, sock, request.path, _reply_bound(services, request),
+                        spans)
     gen = Generation(services, principal, request, admission, exchange,
                      environ.get("kiln.client_addr"))
     if request.stream:
@@ -134,9 +141,19 @@ def _life(gen, exchange, path, renderer, on_answer=None):
             exchange.close()
         finally:
             outcome = outcome_for(ending, head_sent)
-            gen.settle(outcome)
+            _settle(gen, exchange.spans, outcome)
     if last is not None:
         tail = last(gen.charged_usd)
         if on_answer is not None:
             on_answer(gen.gid, outcome, tail, renderer)
         yield tail
+
+
+def _settle(gen, spans, outcome):
+    """Settle ``gen`` in its own span, then tell the request's span how it ended."""
+    with spans.span("kiln.settlement"):
+        gen.settle(outcome)
+    if spans.recording:
+        if gen.meter.cut:  # the choices Kiln ended at the budget: their last chunk is Kiln's
+            spans.note_reply({"choices": [{"finish_reason": "length"}]})
+        spans.set(ending_attributes(gen, outcome))

@@ -11,13 +11,16 @@ from gateway.flow.life import _life
 from gateway.errors import UpstreamError, UpstreamRejected
 from gateway.endings import Status
 from gateway.backends.relay import ClientGone, StreamFailed
+from gateway.backends.spans import NO_SPANS
 
 pytestmark = pytest.mark.unit
 
 
 class StubGeneration:
     """What ``_life`` uses of a generation and its exchange: close (the exchange's) and settle
-    (the generation's), counted on one object."""
+    (the generation's), counted on one object; untraced."""
+
+    spans = NO_SPANS
 
     def __init__(self, close_fails=False):
         self.closed, self.close_fails, self.settled = 0, close_fails, []

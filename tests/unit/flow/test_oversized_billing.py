@@ -10,6 +10,7 @@ import gevent
 import pytest
 
 from factories import model_entry
+from gateway.backends.spans import NO_SPANS
 from gateway.billing import Usage
 from gateway.dialects.chat import ChatCodec
 from gateway.contract.validation import validate_chat
@@ -84,7 +85,7 @@ def run_complete(reply_bytes):
     gevent.spawn(ran.append, True)
     gen = SimpleNamespace(meter=Meter(100), mark_first_token=lambda: None,
                           final_usage=lambda: Usage(prompt=1, completion=1))
-    exchange = SimpleNamespace(reply_bytes=reply_bytes,
+    exchange = SimpleNamespace(reply_bytes=reply_bytes, spans=NO_SPANS,
                                send_and_read=lambda parse: parse(b'{"choices": []}'))
     path = complete(gen, exchange, SimpleNamespace(stop=(), single_tool_call=False),
                     ChatCodec())
