@@ -19,12 +19,36 @@ function nanos(usd) {
   return negative ? -value : value;
 }
 
-function usd(value) {
+// An exact decimal string of USD, at least two decimal places ("0.0000186", "-0.50").
+function decimal(value) {
   const negative = value < 0n;
   const abs = negative ? -value : value;
   let fraction = (abs % 1000000000n).toString().padStart(9, "0").replace(/0+$/, "");
   fraction = fraction.padEnd(2, "0");
   return (negative ? "-" : "") + (abs / 1000000000n).toString() + "." + fraction;
+}
+
+// Dollars as a customer reads them, with the sign ("$0.0000186", "-$0.50"), as the API's
+// messages write them.
+function usd(value) {
+  const text = decimal(value);
+  return text.startsWith("-") ? "-$" + text.slice(1) : "$" + text;
+}
+
+// An ISO 8601 time (with its offset) in the reader's own time zone, "YYYY-MM-DD HH:MM:SS".
+function localTime(iso) {
+  const t = new Date(iso);
+  const two = n => String(n).padStart(2, "0");
+  return t.getFullYear() + "-" + two(t.getMonth() + 1) + "-" + two(t.getDate()) + " " +
+    two(t.getHours()) + ":" + two(t.getMinutes()) + ":" + two(t.getSeconds());
+}
+
+// The reader's offset from UTC, as "UTC+05:30".
+function zoneName() {
+  const minutes = -new Date().getTimezoneOffset();
+  const abs = Math.abs(minutes);
+  return "UTC" + (minutes < 0 ? "-" : "+") + String(Math.floor(abs / 60)).padStart(2, "0") +
+    ":" + String(abs % 60).padStart(2, "0");
 }
 
 async function api(path, key) {
@@ -105,7 +129,7 @@ function drawChart(activity) {
       y -= h;
       chart.append(svg("rect", {class: "bar", x: x + 1, y, width: Math.max(slot - 2, 1),
                                 height: h, fill: COLORS[models.indexOf(model) % COLORS.length],
-                                "data-day": day, "data-model": model, "data-cost-usd": usd(cost)},
+                                "data-day": day, "data-model": model, "data-cost-usd": decimal(cost)},
                        undefined));
     }
     if (i % 5 === 0) {
@@ -144,14 +168,15 @@ function showKeys(keys, activity) {
   for (const row of activity.data) {
     spent.set(row.key_prefix, (spent.get(row.key_prefix) || 0n) + nanos(row.cost_usd));
   }
-  const money = value => (value === null ? "none" : usd(nanos(value)));
+  const money = value => (value === null ? "unlimited" : usd(nanos(value)));
   const rows = keys.data.filter(k => !k.revoked).map(k => {
     const tr = document.createElement("tr");
     tr.dataset.prefix = k.prefix;
     const cells = [k.label || "", k.prefix, money(k.limit_usd), k.limit_reset || "never",
                    usd(nanos(k.usage_usd)), money(k.remaining_usd),
-                   k.rate_limit ? String(k.rate_limit.requests_per_minute) : "none",
-                   usd(spent.get(k.prefix) || 0n), k.last_used_at || "never"];
+                   k.rate_limit ? String(k.rate_limit.requests_per_minute) : "unlimited",
+                   usd(spent.get(k.prefix) || 0n),
+                   k.last_used_at ? localTime(k.last_used_at) : "never"];
     for (const text of cells) {
       const td = document.createElement("td");
       td.textContent = text;
@@ -163,10 +188,11 @@ function showKeys(keys, activity) {
 }
 
 function showRequests(page, append) {
+  document.getElementById("zone").textContent = zoneName();
   const rows = page.data.map(g => {
     const tr = document.createElement("tr");
     tr.dataset.id = g.id;
-    const cells = [g.created_at.slice(0, 19).replace("T", " "), g.model, g.endpoint, g.status,
+    const cells = [localTime(g.created_at), g.model, g.endpoint, g.status,
                    String(g.prompt_tokens), String(g.cached_tokens),
                    String(g.completion_tokens),
                    g.cost_usd === null ? "pending" : usd(nanos(g.cost_usd)),

@@ -102,9 +102,9 @@ def spent(key, today, since=None):
 
 
 def page_usd(nanos):
-    """USD as the page writes it: exact, at least two decimal places."""
+    """Dollars as the page writes them: the sign, exact, at least two decimal places."""
     whole, _, fraction = format(Decimal(nanos).scaleb(-9), "f").partition(".")
-    return f"{whole}.{fraction.rstrip('0').ljust(2, '0')}"
+    return f"${whole}.{fraction.rstrip('0').ljust(2, '0')}"
 
 
 @pytest.fixture(scope="module")
@@ -164,6 +164,8 @@ def test_the_page_draws_the_seeded_spend_and_keeps_the_key_in_the_session(seeded
     assert reconciled.returncode == 0, reconciled.stdout + reconciled.stderr  # seeded as settled
     browser.get(gw.base_url + "/activity")
     assert browser.title == "Kiln activity"
+    where = browser.find_element(By.ID, "where-keys").text  # where keys come from, before any
+    assert "kiln key create" in where and "POST /v1/keys" in where
     paste_key(browser, "kiln-not-a-key")
     wait_state(browser, "error")
     assert "Incorrect API key" in browser.find_element(By.ID, "error").text
@@ -175,8 +177,8 @@ def test_the_page_draws_the_seeded_spend_and_keeps_the_key_in_the_session(seeded
 
     total = sum(s[3] for s in SEED)
     assert browser.find_element(By.ID, "balance").text == page_usd(10**10 - total)
-    assert browser.find_element(By.ID, "held").text == "0.00"
-    assert Decimal(browser.find_element(By.ID, "total").text) == Decimal(total).scaleb(-9)
+    assert browser.find_element(By.ID, "held").text == "$0.00"
+    assert browser.find_element(By.ID, "total").text == page_usd(total)
     assert browser.find_element(By.ID, "requests").text == str(3 * len(SEED))
 
     today = datetime.now(timezone.utc).date()
@@ -201,12 +203,12 @@ def test_the_page_draws_the_seeded_spend_and_keeps_the_key_in_the_session(seeded
                                                                                "td")]
             for tr in browser.find_elements(By.CSS_SELECTOR, "#key-rows tr")}
     period = spent("ci", today, today.replace(day=1))
-    assert rows[ci_key[:12]][:8] == ["ci-bot", ci_key[:12], "0.01", "monthly", page_usd(period),
+    assert rows[ci_key[:12]][:8] == ["ci-bot", ci_key[:12], "$0.01", "monthly", page_usd(period),
                                      page_usd(10**7 - period), "30",
                                      page_usd(spent("ci", today, today - timedelta(days=29)))]
     web = spent("web", today)  # it never resets: all its spend is this period's
-    assert rows[org.key[:12]][:8] == ["test", org.key[:12], "none", "never", page_usd(web),
-                                      "none", "none", page_usd(web)]
+    assert rows[org.key[:12]][:8] == ["test", org.key[:12], "unlimited", "never", page_usd(web),
+                                      "unlimited", "unlimited", page_usd(web)]
 
     logs = [e for e in browser.get_log("browser") if "Content Security Policy" in e["message"]]
     assert logs == []
@@ -252,6 +254,8 @@ def test_the_page_lists_the_requests_and_downloads_them_as_csv(seeded, browser, 
     downloads.mkdir()
     browser.execute_cdp_cmd("Page.setDownloadBehavior",
                             {"behavior": "allow", "downloadPath": str(downloads)})
+    # Times are shown in the reader's zone: India's (UTC+05:30, no daylight saving) here.
+    browser.execute_cdp_cmd("Emulation.setTimezoneOverride", {"timezoneId": "Asia/Kolkata"})
     browser.get(gw.base_url + "/activity")
     browser.execute_script("sessionStorage.clear()")
     browser.refresh()
@@ -273,9 +277,10 @@ def test_the_page_lists_the_requests_and_downloads_them_as_csv(seeded, browser, 
     first = [td.text for td in browser.find_elements(By.CSS_SELECTOR,
                                                      "#request-rows tr:first-child td")]
     gid, cost, label, model = events[0]
-    today = datetime.now(timezone.utc).date().isoformat()
-    assert first == [f"{today} 00:00:01", model, "chat", "completed", "4", "1", "2",
+    today = datetime.now(timezone.utc).date().isoformat()  # seeded at 00:00:01 UTC
+    assert first == [f"{today} 05:30:01", model, "chat", "completed", "4", "1", "2",
                      page_usd(cost), label, gid]
+    assert browser.find_element(By.ID, "zone").text == "UTC+05:30"
 
     browser.find_element(By.ID, "csv").click()
     wait_action(browser)
