@@ -161,6 +161,9 @@ def wait_ready(
             with urllib.request.urlopen(url, timeout=2) as resp:
                 if resp.status == 200:
                     return json.loads(resp.read())
+        except urllib.error.HTTPError as exc:  # llama-server answers 503 while it loads
+            exc.close()
+            last_err = exc
         except (urllib.error.URLError, OSError, ValueError) as exc:
             last_err = exc
         time.sleep(0.2)
