@@ -25,7 +25,7 @@ LLAMA_CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON 
 # CMAKE_ARGS to cmake, then runs `cmake --build .` with no target). Same ISA;
 # no tests, examples, unified app or web UI download (the UI assets would be
 # fetched from Hugging Face at build time); llama-server-only.cmake keeps every
-# other tool out of the build. About 15 minutes on 2 cores; cached afterwards.
+# other tool out of the build. 53 minutes on 2 busy shared cores; cached afterwards.
 SERVER_VERSION=11434.0.0
 SERVER_CMAKE_ARGS="$LLAMA_CMAKE_ARGS -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF -DCMAKE_PROJECT_llama.cpp_INCLUDE='$HERE/llama-server-only.cmake'"
 
