@@ -7,6 +7,7 @@ second real model server").
 The server has one slot of ``LLAMA_SERVER_N_CTX`` (2048) tokens while the catalog says 4096:
 a prompt Kiln admits can still be over what the server holds, which is how a server
 configured with less context than its catalog entry answers."""
+import json
 from decimal import Decimal
 
 import anthropic
@@ -18,7 +19,7 @@ from factories import SMOLLM2_NANOS, literal_cost_nanos
 from gateway.billing import TEMPLATE_TOKENS_PER_MESSAGE, TEMPLATE_TOKENS_PER_REQUEST
 from gateway_proc import Gateway, balance_nanos, make_org, settled_event
 from model_server import LLAMA_SERVER_N_CTX
-from streams import org_events
+from streams import RawStream, close_raw_streams, org_events
 
 pytestmark = pytest.mark.llama
 
@@ -175,6 +176,42 @@ def test_kilns_token_count_is_the_servers_own(llama_server, server_gateway, engi
             model=MODEL, messages=[{"role": "user", "content": text}]).input_tokens
     assert counted == exact + TEMPLATE_TOKENS_PER_MESSAGE + TEMPLATE_TOKENS_PER_REQUEST
     assert org_events(engine, org.id) == [] and balance_nanos(engine, org.id) == (GRANT, 0, 0)
+
+
+def direct_pieces(llama_server, body):
+    """The text of each delta llama-server itself streams for ``body`` (one token each)."""
+    with requests.post(llama_server + "/v1/chat/completions", json=body, stream=True,
+                       timeout=300) as resp:
+        resp.raise_for_status()
+        chunks = [json.loads(line[6:]) for line in resp.iter_lines()
+                  if line.startswith(b"data: {")]
+    return [c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]]
+
+
+def test_a_stream_its_client_left_is_billed_the_servers_count_of_what_was_relayed(
+        llama_server, server_gateway, engine):
+    """A client that leaves mid-stream: no usage ever comes, and Kiln bills its own count of
+    the text it relayed (the server's ``/tokenize``), flagged ``estimated``: the server's own
+    count of a prefix of the stream it generates (greedy: the same deltas as straight to it).
+    Which prefix depends on when Kiln saw the client leave; that the count is the tokenizer's
+    and not the bytes' is shown exactly by the count_tokens test above."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Write a long story."}],
+            "max_tokens": 256, "temperature": 0, "stream": True}
+    pieces = direct_pieces(llama_server, body)
+    org = make_org(engine, "ls-left")
+    try:
+        stream = RawStream(server_gateway.base_url, org.key, body)
+        stream.read_until(lambda s: s.body.count(b'"content"') >= 4, timeout_s=120)
+        stream.close()
+    finally:
+        close_raw_streams()
+    event = settled_event(engine, stream.gid)
+    assert event["estimated"] is True and event["completion_tokens"] < 256
+    counts = [server_tokens(llama_server, "".join(pieces[:j])) for j in range(len(pieces) + 1)]
+    assert event["completion_tokens"] in counts
+    assert event["cost_nanos"] == literal_cost_nanos(
+        SMOLLM2_NANOS, event["prompt_tokens"], event["completion_tokens"], 0)
+    assert balance_nanos(engine, org.id) == (GRANT - event["cost_nanos"], 0, 0)
 
 
 def test_messages_stream_through_llama_server_is_billed_by_its_usage(llama_server,
