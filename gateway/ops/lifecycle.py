@@ -81,8 +81,12 @@ def _sweep_forever(services):
 
 def drain(app):
     """Wait for this process's queued settlements to commit (graceful shutdown: gunicorn's
-    ``worker_exit``); return whether they all did within ``KILN_SETTLE_DRAIN_S``."""
-    services = app.extensions["kiln"]
+    ``worker_exit``); return whether they all did within ``KILN_SETTLE_DRAIN_S``. An app that
+    is not Kiln's (served under the same gunicorn config), or a worker that failed to boot,
+    has none to wait for."""
+    services = getattr(app, "extensions", {}).get("kiln")
+    if services is None:
+        return True
     done = services.ledger.drain(services.config.settle_drain_s)
     if not done:
         log.error("settlements still queued at exit; their leases expire and the sweeper "
@@ -101,7 +105,8 @@ def end_generations(app):
     """End every generation still running in this worker with :class:`ShuttingDown`: each is
     told (an SSE error event, or a 503), billed what was generated and settled, instead of being
     killed unsettled at the graceful timeout. Return how many were ended."""
-    live = list(app.extensions["kiln"].live)
+    services = getattr(app, "extensions", {}).get("kiln")
+    live = list(services.live) if services is not None else []
     if live:
         log.warning("graceful timeout near: ending %d running generation(s)", len(live))
     for exchange in live:

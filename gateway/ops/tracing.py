@@ -34,14 +34,15 @@ def install(app, config):
 
 
 def start_worker(app):
-    """Start tracing in this worker (gunicorn's ``post_worker_init``), if ``app`` traces."""
-    tracing = app.extensions.get("kiln.tracing")
+    """Start tracing in this worker (gunicorn's ``post_worker_init``), if ``app`` traces (an
+    app that is not Kiln's, served under the same gunicorn config, has no extensions)."""
+    tracing = getattr(app, "extensions", {}).get("kiln.tracing")
     if tracing is not None:
         tracing.start()
 
 
 def stop_worker(app):
     """Flush and stop this worker's tracing (gunicorn's ``worker_exit``), if ``app`` traces."""
-    tracing = app.extensions.get("kiln.tracing")
+    tracing = getattr(app, "extensions", {}).get("kiln.tracing")
     if tracing is not None:
         tracing.stop()
