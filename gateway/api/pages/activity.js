@@ -51,8 +51,12 @@ function zoneName() {
     ":" + String(abs % 60).padStart(2, "0");
 }
 
-async function api(path, key) {
-  const response = await fetch(path, {headers: {Authorization: "Bearer " + key}});
+async function api(path, key, method = "GET", payload = undefined) {
+  const headers = {Authorization: "Bearer " + key};
+  if (payload !== undefined) headers["Content-Type"] = "application/json";
+  const response = await fetch(path, {method, headers,
+                                      body: payload === undefined ? undefined
+                                                                  : JSON.stringify(payload)});
   const body = await response.json();
   if (!response.ok) {
     throw new Error(body.error ? body.error.message : "HTTP " + response.status);
@@ -163,12 +167,50 @@ function showCredits(credits) {
   }
 }
 
-function showKeys(keys, activity) {
+// The keys API (docs/KEYS.md), for a management key: create, rotate, revoke.
+function newKeyBody() {
+  const value = id => document.getElementById(id).value.trim();
+  const body = {label: value("new-label") || null, limit_reset: value("new-reset")};
+  if (value("new-limit")) body.limit_usd = value("new-limit");
+  if (value("new-in-flight")) body.in_flight_limit = Number(value("new-in-flight"));
+  if (value("new-models")) body.models = value("new-models").split(",").map(m => m.trim());
+  if (value("new-expires")) body.expires_at = new Date(value("new-expires")).toISOString();
+  return body;
+}
+
+function showSecret(what, answer) {
+  const secret = document.getElementById("secret");
+  secret.textContent = what + " " + (answer.label || answer.prefix) + ": " + answer.key +
+    " (shown once: store it now)";
+  secret.dataset.key = answer.key;
+  secret.hidden = false;
+}
+
+async function manage(action) {
+  await act(async key => {
+    await action(key);
+    const [keys, activity] = await Promise.all([api("/v1/keys", key),
+                                                api("/v1/activity", key)]);
+    showKeys(keys, activity, key);
+  });
+}
+
+function keyButton(label, onClick) {
+  const button = document.createElement("button");
+  button.type = "button";
+  button.textContent = label;
+  button.addEventListener("click", onClick);
+  return button;
+}
+
+function showKeys(keys, activity, key) {
   const spent = new Map();
   for (const row of activity.data) {
     spent.set(row.key_prefix, (spent.get(row.key_prefix) || 0n) + nanos(row.cost_usd));
   }
   const money = value => (value === null ? "unlimited" : usd(nanos(value)));
+  const caller = keys.data.find(k => key && key.startsWith(k.prefix));
+  const managing = Boolean(caller && caller.manage);
   const rows = keys.data.filter(k => !k.revoked).map(k => {
     const tr = document.createElement("tr");
     tr.dataset.prefix = k.prefix;
@@ -182,9 +224,19 @@ function showKeys(keys, activity) {
       td.textContent = text;
       tr.append(td);
     }
+    const actions = document.createElement("td");
+    if (managing && !k.manage) {
+      actions.append(
+        keyButton("Rotate", () => manage(async secret => showSecret("New secret of",
+          await api("/v1/keys/" + k.id + "/rotate", secret, "POST",
+                    {grace_period_s: Number(document.getElementById("grace").value || 0)})))),
+        keyButton("Revoke", () => manage(secret => api("/v1/keys/" + k.id, secret, "DELETE"))));
+    }
+    tr.append(actions);
     return tr;
   });
   document.getElementById("key-rows").replaceChildren(...rows);
+  document.getElementById("manage").hidden = !managing;
 }
 
 function showRequests(page, append) {
@@ -241,7 +293,7 @@ async function show(key) {
     showCredits(credits);
     showTotals(activity);
     drawChart(activity);
-    showKeys(keys, activity);
+    showKeys(keys, activity, key);
     showRequests(requests, false);
     for (const id of ["credits", "spend", "keys", "request-list"]) {
       document.getElementById(id).hidden = false;
@@ -274,6 +326,11 @@ document.addEventListener("DOMContentLoaded", () => {
   csvLink.addEventListener("click", event => {
     event.preventDefault();
     act(key => download(csvLink.getAttribute("href"), key, "generations.csv"));
+  });
+  document.getElementById("new-key").addEventListener("submit", event => {
+    event.preventDefault();
+    manage(async secret => showSecret("New key",
+                                      await api("/v1/keys", secret, "POST", newKeyBody())));
   });
   const saved = sessionStorage.getItem(STORAGE_KEY);
   if (saved) show(saved);

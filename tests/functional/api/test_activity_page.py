@@ -17,6 +17,7 @@ from decimal import Decimal
 from pathlib import Path
 
 import pytest
+import requests
 import sqlalchemy as sa
 
 from gateway.api import auth
@@ -298,3 +299,74 @@ def test_the_page_lists_the_requests_and_downloads_them_as_csv(seeded, browser, 
     assert not [r for r in requested if org.key in r]  # the key went as a header only
     logs = [e for e in browser.get_log("browser") if "Content Security Policy" in e["message"]]
     assert logs == []
+
+
+def test_a_management_key_creates_rotates_and_revokes_keys_on_the_page(seeded, browser):
+    """With a management key the page offers the keys API (docs/KEYS.md): a key made from the
+    form works at once and its secret is shown once; Rotate shows a new secret that works;
+    Revoke takes the key off the list; each change is in ``key_changes``. A key that cannot
+    manage sees no form and no buttons."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+    from gateway.ledger.key_admin import create_key_row
+    gw, org, _ci_key, url = seeded
+    engine = sa.create_engine(url)
+    with engine.begin() as conn:
+        admin = create_key_row(conn, org.id, name="admin", manage=True)[1]
+
+    def fresh_page(key):
+        browser.get(gw.base_url + "/activity")
+        browser.execute_script("sessionStorage.clear()")
+        browser.refresh()
+        paste_key(browser, key)
+        wait_state(browser, "loaded")
+
+    def row(label):
+        for tr in browser.find_elements(By.CSS_SELECTOR, "#key-rows tr"):
+            if tr.find_element(By.TAG_NAME, "td").text == label:
+                return tr
+        return None
+
+    def works(secret):
+        return requests.get(gw.base_url + "/v1/key", timeout=30,
+                            headers={"Authorization": f"Bearer {secret}"}).status_code == 200
+
+    fresh_page(org.key)
+    assert not browser.find_element(By.ID, "manage").is_displayed()
+    assert browser.find_elements(By.CSS_SELECTOR, "#key-rows button") == []
+
+    fresh_page(admin)
+    assert browser.find_element(By.ID, "manage").is_displayed()
+    assert row("admin").find_elements(By.TAG_NAME, "button") == []  # the operator's to change
+    browser.find_element(By.ID, "new-label").send_keys("page-bot")
+    browser.find_element(By.ID, "new-limit").send_keys("0.50")
+    Select(browser.find_element(By.ID, "new-reset")).select_by_value("monthly")
+    browser.find_element(By.ID, "new-in-flight").send_keys("2")
+    browser.find_element(By.CSS_SELECTOR, "#new-key button[type=submit]").click()
+    wait_action(browser)
+    made = browser.find_element(By.ID, "secret").get_attribute("data-key")
+    assert made.startswith("kiln-") and works(made)
+    assert row("page-bot") is not None
+    with engine.connect() as conn:
+        key = conn.execute(sa.text(
+            "SELECT id, limit_usd, limit_reset, in_flight_limit FROM api_keys "
+            "WHERE org_id = :o AND name = 'page-bot'"), {"o": org.id}).one()
+    assert (key.limit_usd, key.limit_reset, key.in_flight_limit) == (Decimal("0.5"), "monthly", 2)
+
+    row("page-bot").find_element(By.XPATH, ".//button[text()='Rotate']").click()
+    wait_action(browser)
+    rotated = browser.find_element(By.ID, "secret").get_attribute("data-key")
+    assert rotated != made and works(rotated)
+    row("page-bot").find_element(By.XPATH, ".//button[text()='Revoke']").click()
+    wait_action(browser)
+    assert row("page-bot") is None
+    with engine.connect() as conn:
+        actions = conn.execute(sa.text(
+            "SELECT action, actor FROM key_changes WHERE api_key_id = :k ORDER BY id"),
+            {"k": key.id}).all()
+        assert conn.execute(sa.text("SELECT revoked_at IS NOT NULL FROM api_keys WHERE id = :k"),
+                            {"k": key.id}).scalar_one()
+    assert [tuple(a) for a in actions] == [("create", "key"), ("rotate", "key"), ("revoke", "key")]
+    logs = [e for e in browser.get_log("browser") if "Content Security Policy" in e["message"]]
+    assert logs == []
+    engine.dispose()
