@@ -35,20 +35,12 @@ import requests
 
 import procstat
 import targets as tg
+from kiln_target import CATALOG_TEMPLATE as CATALOG
 from httpio import chat_body
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO_DIR = BENCH_DIR.parent
 PG_BIN = Path("/usr/lib/postgresql/15/bin")
-CATALOG = """\
-[[models]]
-id = "bench-model"
-context_window = 32768
-max_output_tokens = 8192
-input = ["text"]
-pricing = {{ input = "0.10", cached_input = "0.05", output = "0.30" }}
-backends = [{{ url = "{upstream_url}", model = "bench-model" }}]
-"""
 # The counters read around a run; the reading itself is one statement and one commit, taken
 # off the totals.
 SNAPSHOT = """SELECT (SELECT sum(calls) FROM pg_stat_statements),
