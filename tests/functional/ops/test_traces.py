@@ -19,6 +19,8 @@ from fake_upstream import (COMPLETIONS_PATH, EMBEDDINGS_PATH, Hang, Send, Status
 from gateway_proc import Gateway, gateway_env, settled_event
 from otlp_collector import OtlpCollector
 
+from gateway.ops.otel import DEFAULT_SAMPLE_RATIO
+
 PROMPT = "the-secret-plum-" + secrets.token_hex(6)  # a prompt no attribute may carry
 ANSWER = "a-private-answer-" + secrets.token_hex(6)
 GENERATION_HEADER = "X-Neocloud-Generation-Id"
@@ -220,21 +222,67 @@ def test_a_client_that_leaves_mid_stream_ends_the_stream_span_without_error(
     assert server.status == "unset" and "error.type" not in server.attributes
 
 
-def test_a_request_without_traceparent_starts_a_trace_of_its_own(traced, collector, fake, org):
-    resp = post(traced, org, "/v1/chat/completions", chat_body())
-    assert resp.status_code == 200
-    gid = resp.headers[GENERATION_HEADER]
-    server = collector.wait_for(lambda spans: next(
-        (s for s in spans if s.kind == "server" and s.attributes.get("kiln.generation_id") == gid),
-        None))
-    assert server.parent_id == ""
-    assert fake.requests[-1].headers["traceparent"].split("-")[1] == server.trace_id
+def ratio_samples(trace_id_hex, ratio=DEFAULT_SAMPLE_RATIO):
+    """The SDK's ``TraceIdRatioBased`` rule (OpenTelemetry trace SDK specification,
+    "TraceIdRatioBased"): sampled when the trace id's low 64 bits are below ratio x 2**64."""
+    return int(trace_id_hex, 16) & (2 ** 64 - 1) < round(ratio * 2 ** 64)
+
+
+def test_a_request_without_traceparent_starts_a_trace_of_its_own_sampled_one_in_ten(
+        traced, collector, fake, org):
+    """No caller's decision: Kiln's default sampler (``parentbased_traceidratio``, one in ten)
+    decides by the new trace's id; the backend is told the decision, and exactly the sampled
+    requests' spans are exported."""
+    sampled, left_out = [], []
+    while len(sampled) < 2 or len(left_out) < 2:
+        resp = post(traced, org, "/v1/chat/completions", chat_body())
+        assert resp.status_code == 200
+        version, trace_id, _span, flags = fake.requests[-1].headers["traceparent"].split("-")
+        assert flags == ("01" if ratio_samples(trace_id) else "00"), trace_id
+        (sampled if flags == "01" else left_out).append((trace_id, resp.headers[GENERATION_HEADER]))
+        assert len(sampled) + len(left_out) < 400  # 1 in 10: two of each come long before
+    for trace_id, gid in sampled:
+        server = server_span(request_trace(collector, trace_id, "kiln.settlement"))
+        assert server.parent_id == "" and server.attributes["kiln.generation_id"] == gid
+    # Every request's spans were handed to the exporter at its end, in order: once the last
+    # sampled one is in, a left-out one exported before it would be there too.
+    assert all(collector.trace(trace_id) == {} for trace_id, _ in left_out)
+
+
+def test_a_failed_request_is_exported_whatever_the_ratio_unless_its_caller_said_not_to(
+        traced, collector, fake, org, engine):
+    """Failures are the traces an operator needs: one left out by the ratio is exported all
+    the same; a caller's explicit not-sampled flag is still followed."""
+    while True:  # a request the ratio leaves out
+        fake.enqueue(error_reply(500, "backend exploded"))
+        resp = post(traced, org, "/v1/chat/completions", chat_body())
+        assert resp.status_code == 502
+        trace_id = fake.requests[-1].headers["traceparent"].split("-")[1]
+        if not ratio_samples(trace_id):
+            break
+    spans = request_trace(collector, trace_id, "kiln.settlement", "chat upstream-fake")
+    server = server_span(spans)
+    assert server.status == "error" and server.attributes["error.type"] == "upstream_error"
+    assert server.attributes["kiln.generation_id"] == resp.headers[GENERATION_HEADER]
+    (attempt,) = spans["chat upstream-fake"]
+    assert attempt.status == "error" and attempt.parent_id == server.span_id
+
+    _, declined, caller_span = new_traceparent()
+    fake.enqueue(error_reply(500, "backend exploded"))
+    resp = post(traced, org, "/v1/chat/completions", chat_body(),
+                traceparent=f"00-{declined}-{caller_span}-00")
+    assert resp.status_code == 502
+    header, later_trace, _ = new_traceparent()
+    assert post(traced, org, "/v1/chat/completions", chat_body(),
+                traceparent=header).status_code == 200
+    request_trace(collector, later_trace, "kiln.settlement")
+    assert collector.trace(declined) == {}
 
 
 def test_a_caller_that_does_not_sample_is_followed_and_its_trace_passed_on(
         traced, collector, fake, org):
-    """A ``traceparent`` whose flags say not sampled: Kiln records nothing of the request (the
-    SDK's default sampler follows its parent) and passes the trace on, still not sampled."""
+    """A ``traceparent`` whose flags say not sampled: Kiln exports nothing of the request (the
+    sampler follows its parent) and passes the trace on, still not sampled."""
     _, trace_id, caller_span = new_traceparent()
     resp = post(traced, org, "/v1/chat/completions", chat_body(),
                 traceparent=f"00-{trace_id}-{caller_span}-00")
@@ -273,7 +321,8 @@ def test_no_span_carries_a_prompt_an_answer_or_a_key(traced, collector, fake, or
     """Run after the others in this module: every span the collector holds is checked."""
     fake.enqueue(json_reply(chat_completion(ANSWER)))
     resp = post(traced, org, "/v1/chat/completions",
-                chat_body(messages=[{"role": "user", "content": PROMPT}]))
+                chat_body(messages=[{"role": "user", "content": PROMPT}]),
+                traceparent=new_traceparent()[0])
     assert resp.status_code == 200
     gid = resp.headers[GENERATION_HEADER]
     collector.wait_for(lambda spans: any(s.attributes.get("kiln.generation_id") == gid
