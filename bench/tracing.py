@@ -150,7 +150,7 @@ SPANS_PER_REQUEST = {"non-stream": 4, "stream": 5}
 def report(args, cells, spans_received):
     """Return the side-by-side table (medians over the rounds) and, per traced gateway, the
     spans received (``{label: count}``) against those its requests made."""
-    lines = [f"Kiln with tracing on (every span exported over OTLP/HTTP) vs off: wrk "
+    lines = [f"Kiln with tracing on (spans exported over OTLP/HTTP) vs off: wrk "
              f"-c{args.connections}, {args.duration} s x {args.rounds} interleaved rounds, "
              f"{args.workers} gevent workers, metered on Postgres, medians",
              "",
