@@ -316,7 +316,21 @@ DROP = ("DROP FUNCTION IF EXISTS kiln_renew(text[], integer[], integer[], intege
 
 _ADMIT_CALL = ("SELECT * FROM kiln_admit(%s::text, %s::integer, %s::integer, %s::text, "
                "%s::boolean, %s::bigint, %s::integer, %s::float8, %s::boolean, %s::text)")
-_SETTLE_CALL = "SELECT * FROM kiln_settle(%s::jsonb)"
+# A settlement batch commits without waiting for its WAL flush, so that the org and key rows it
+# locks are free again as soon as it has run (the next admission of the org waited out that
+# flush before); the writer then waits for the flush in a transaction that locks nothing
+# (_DURABLE), and only then counts the batch committed (PostgresStore.settle_batch). LATERAL:
+# the setting is made before the function runs, whatever it returns.
+_SETTLE_CALL = ("SELECT s.* FROM (SELECT set_config('synchronous_commit', 'off', true)) AS a "
+                "CROSS JOIN LATERAL kiln_settle(%s::jsonb) AS s")
+# A commit that waits for the WAL flush, in a transaction that locks nothing. It must write WAL of
+# its own: a transaction that only takes an id commits without waiting (PostgreSQL's
+# RecordTransactionCommit flushes only for a transaction that wrote WAL). A transactional
+# logical message is the smallest such write (any role, any wal_level from replica; a logical
+# decoding consumer sees it under the prefix "kiln"); its commit record comes after every commit
+# this session made before, so that once it returns they are on disk too (PostgreSQL manual,
+# "Asynchronous Commit").
+_DURABLE = "SELECT pg_logical_emit_message(true, 'kiln', 'settled')"
 _ADMIT_BATCH_CALL = "SELECT * FROM kiln_admit_batch(%s::jsonb)"
 _RENEW_CALL = ("SELECT * FROM kiln_renew(%s::text[], %s::integer[], %s::integer[], "
                "%s::integer[], %s::float8)")
@@ -337,8 +351,9 @@ class PostgresStore:
     def __init__(self, engine):
         self.engine = engine
 
-    def _call(self, sql, params):
-        """Run one statement on a pooled connection; return its rows.
+    def _call(self, sql, params, then=None):
+        """Run one statement on a pooled connection; return its rows. ``then``: a statement
+        without parameters run after it on the same connection (its rows are not returned).
 
         A connection found broken is dropped from the pool (a database restart) and the error
         raised; callers retry.
@@ -352,7 +367,10 @@ class PostgresStore:
         try:
             with conn.cursor() as cur:
                 cur.execute(sql, params)
-                return cur.fetchall()
+                rows = cur.fetchall()
+                if then is not None:
+                    cur.execute(then)
+                return rows
         except psycopg.Error:
             conn.invalidate()
             raise
@@ -380,10 +398,18 @@ class PostgresStore:
         return [rows.get(i) for i in range(len(requests))]
 
     def settle_batch(self, settlements):
-        """Settle ``settlements`` in one durable transaction; return ``{gid: debited
-        nano-dollars}`` for those it settled (the others were settled before)."""
+        """Settle ``settlements`` in one transaction and return once it is durable: ``{gid:
+        debited nano-dollars}`` for those it settled (the others were settled before).
+
+        Two round trips on one connection: the settlement, committed without waiting for its
+        WAL flush (its row locks are released at once), then :data:`_DURABLE`, whose commit
+        waits for the flush of both. A failure of either raises, and the caller retries the
+        whole batch: ``kiln_settle`` settles each generation once, so a batch whose first
+        commit survived a crash is not debited twice, and one whose commit was lost with the
+        crash is written again.
+        """
         batch = json.dumps([s.as_record() for s in settlements])
-        return dict(self._call(_SETTLE_CALL, (batch,)))
+        return dict(self._call(_SETTLE_CALL, (batch,), then=_DURABLE))
 
     def renew(self, leases, lease_ttl_s):
         """Renew ``leases`` (with their progress); return ``{gid: state}``."""

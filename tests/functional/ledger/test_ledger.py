@@ -591,3 +591,60 @@ def _lease_state(engine, org, key_id):
         count = conn.execute(sa.text("SELECT in_flight FROM credit_balances WHERE org_id = :o"),
                              {"o": org.id}).scalar_one()
     return leases, count
+
+
+def test_a_settlement_frees_the_orgs_row_before_its_flush_and_returns_once_durable(cluster):
+    """The org's next admission never waits for a settlement's WAL flush, and the writer hears
+    of a settlement only once it is durable. Made certain with a cluster whose durable commits
+    wait forever (``synchronous_standby_names`` names a standby that never connects: each
+    commit that waits for its flush then also waits for that standby, PostgreSQL manual,
+    "Synchronous Replication"): the settlement is visible and the org's next admission is
+    decided while ``settle_batch`` is still waiting, and it returns once the standby is no
+    longer waited for."""
+    from gateway.config import Config
+    from gateway.db import create_engine
+    from gateway.ledger import Ledger
+    admin = sa.create_engine(cluster.url, isolation_level="AUTOCOMMIT")
+    engine = sa.create_engine(cluster.db_url)
+    config = Config.from_mapping({"database_url": cluster.db_url, "lease_ttl_s": 60})
+    ledger = Ledger(create_engine(config, ledger=True), config, CATALOG_PRICES)
+
+    def wait_for_absent_standby(on):
+        with admin.connect() as conn:
+            conn.execute(sa.text("ALTER SYSTEM SET synchronous_standby_names = "
+                                 + ("'kiln_absent_standby'" if on else "''")))
+            conn.execute(sa.text("SELECT pg_reload_conf()"))
+        time.sleep(0.5)  # the reload reaches every backend at its next command
+    try:
+        org = make_org(engine, f"flush-{uuid.uuid4().hex[:8]}", usd="1")
+        with engine.connect() as conn:
+            key_id = conn.execute(sa.text("SELECT id FROM api_keys WHERE org_id = :o"),
+                                  {"o": org.id}).scalar_one()
+        gid = _admit(ledger, org, key_id)
+        wait_for_absent_standby(True)
+        returned = {}
+        writer = threading.Thread(target=lambda: returned.setdefault(
+            "debited", ledger.store.settle_batch([_settlement(gid, org, key_id, 5, 5, 2_000)])))
+        writer.start()
+        settled = wait_until(lambda: _event(engine, gid)[0] == "completed", timeout_s=10)
+        assert settled and "debited" not in returned  # visible, not yet reported durable
+        admitted = {}
+        admission = threading.Thread(target=lambda: admitted.setdefault(
+            "gid", _admit(ledger, org, key_id)))
+        admission.start()
+        admission.join(10)
+        assert admitted.get("gid", "").startswith("gen-"), "the admission waited for a flush"
+        writer.join(2)
+        assert writer.is_alive() and "debited" not in returned
+        wait_for_absent_standby(False)
+        writer.join(20)
+        assert returned["debited"] == {gid: 2_000}
+        with engine.connect() as conn:
+            assert conn.execute(sa.text("SELECT balance_nanos, in_flight FROM credit_balances "
+                                        "WHERE org_id = :o"), {"o": org.id}).one() == \
+                (10**9 - 2_000, 1)
+    finally:
+        wait_for_absent_standby(False)
+        ledger.store.engine.dispose()
+        engine.dispose()
+        admin.dispose()
