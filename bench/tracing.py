@@ -32,7 +32,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from metering import (CATALOG, MODES, ROOT, create_database, drop_database, run_wrk,
-                      start_gateway, start_upstream, stop)
+                      start_gateway, start_upstream, stop, warm_up)
 from procstat import cpu_seconds, process_tree
 
 # The gateways measured side by side: label -> the sampler's settings (None: tracing off).
@@ -113,6 +113,9 @@ def main(argv=None):
                        "KILN_OTEL_ENDPOINT": sinks[label].endpoint if label in sinks else "",
                        **(sampler or {})}
                 gateways[label] = start_gateway(env, args.workers)
+            warm_up(db_url, [url for _proc, url in gateways.values()], key)
+            for sink in sinks.values():
+                sink.take_spans()  # the warm-up's spans are not counted
             cells = measure(args, gateways, key)
         finally:
             for proc, _url in gateways.values():
