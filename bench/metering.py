@@ -207,10 +207,11 @@ def drop_database(name):
 
 def warm_up(db_url, targets, key, seconds=3, connections=16):
     """Send every gateway of ``targets`` (``[base URL, ...]``) each mode's requests for
-    ``seconds``, then ``ANALYZE`` the database: unmeasured. Without it the gateway measured
-    first ran its first statements on empty tables, and PL/pgSQL kept the plans made then (per
-    server connection) while the tables grew: in one run an identical second gateway served
-    1.2x its requests per second."""
+    ``seconds``, then ``ANALYZE`` the database: unmeasured, so that every gateway's pools,
+    caches and per-connection statement plans are made before the first measurement, on tables
+    that are no longer empty and whose statistics are current. (Without it, in one run, the
+    gateway measured first served 0.8x the requests per second of an identical second one; the
+    cause was not isolated.)"""
     import sqlalchemy as sa
 
     for url in targets:
