@@ -31,7 +31,7 @@ context_window = 4096
 max_output_tokens = 256
 input = ["text"]
 endpoints = ["chat", "completions"]
-parallel_tool_calls = true
+parallel_tool_calls = false
 forced_tool_choice = true
 pricing = {{ input = "0.10", cached_input = "0.05", output = "0.30" }}
 backends = [{{ url = "{base}/v1", model = "{model}", server = "llama.cpp", \
@@ -299,13 +299,16 @@ def test_a_tool_call_through_kiln_is_the_servers_and_is_billed_by_its_usage(
     ``finish_reason: "tool_calls"``; Kiln relays it and bills the server's usage, the same as
     the server reports for the same request straight to it. A named choice reaches the server
     as "required" with that function alone (it reads no named choice), so the call is the named
-    function's even though the prompt shows the other one."""
+    function's even though the prompt shows the other one. The model goes on calling after its
+    first call and the server's grammar for this template allows that whatever
+    ``parallel_tool_calls`` says, so the catalog says it does not honour the flag and Kiln keeps
+    the first call."""
     name = "get_time" if isinstance(tool_choice, dict) else "get_weather"
     org = make_org(engine, f"ls-tools-{tool_choice if isinstance(tool_choice, str) else 'named'}")
     with sdk(server_gateway, org.key) as client:
         raw = client.chat.completions.with_raw_response.create(
             model=MODEL, messages=CALL_FOR, tools=[WEATHER, TIME], tool_choice=tool_choice,
-            max_tokens=64, temperature=0)
+            parallel_tool_calls=False, max_tokens=64, temperature=0)
     reply = raw.parse()
     choice = reply.choices[0]
     assert choice.finish_reason == "tool_calls" and not choice.message.content
@@ -326,8 +329,8 @@ def test_a_streamed_tool_call_through_kiln_is_whole_and_billed_by_the_servers_us
         llama_server, server_gateway, engine):
     """The stream's ``tool_calls`` deltas join into one call (id and name first, then the
     arguments in pieces), the last choice chunk says ``tool_calls``, and the usage chunk is the
-    server's, which the event is. ``parallel_tool_calls: false`` is forwarded (the catalog says
-    llama-server honours it: its grammar then allows one call)."""
+    server's, which the event is; ``parallel_tool_calls: false`` is Kiln's to keep (the first
+    call only)."""
     org = make_org(engine, "ls-tools-stream")
     with sdk(server_gateway, org.key) as client:
         raw = client.chat.completions.with_raw_response.create(
@@ -357,7 +360,7 @@ def test_a_streamed_tool_call_through_kiln_is_whole_and_billed_by_the_servers_us
     assert (event["prompt_tokens"], event["completion_tokens"]) == \
         (usage.prompt_tokens, usage.completion_tokens)
     own = direct_usage(llama_server, messages=CALL_FOR, tools=[WEATHER], tool_choice="required",
-                       parallel_tool_calls=False, max_tokens=64, temperature=0)
+                       max_tokens=64, temperature=0)
     assert (usage.prompt_tokens, usage.completion_tokens) == \
         (own["prompt_tokens"], own["completion_tokens"])
 
@@ -373,7 +376,8 @@ def test_a_tool_use_through_the_messages_endpoint_is_the_servers_call(server_gat
                              timeout=120) as client:
         raw = client.messages.with_raw_response.create(
             model=MODEL, max_tokens=64, system=CALL_FOR[0]["content"], messages=CALL_FOR[1:],
-            tools=[tool], tool_choice={"type": "any"}, extra_body={"temperature": 0})
+            tools=[tool], tool_choice={"type": "any", "disable_parallel_tool_use": True},
+            extra_body={"temperature": 0})
     message = raw.parse()
     assert message.stop_reason == "tool_use"
     use, = [b for b in message.content if b.type == "tool_use"]
