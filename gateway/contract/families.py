@@ -40,6 +40,9 @@ class Family:
     developer_role: bool = False  # its chat templates know the ``developer`` role
     text_parts: bool = True       # it reads text content as an array of parts for every role
     running_usage: bool = False   # it can send the running usage in every stream chunk
+    # It reads a named function as ``tool_choice`` (else only the strings: Kiln sends a named
+    # choice as "required" with only that function in ``tools``, which forces the same call).
+    named_tool_choice: bool = True
     # Legacy completions and embeddings (docs/PARAMETERS.md, "Completions", "Embeddings").
     completion_params: frozenset = TEXT_SAMPLING  # what it reads of a completions request
     prompt_arrays: bool = True    # it reads several completions prompts in one request
@@ -159,9 +162,13 @@ FAMILIES = {f.name: f for f in (
            completion_params=TEXT_SAMPLING - {"n"} | {"suffix"}, prompt_arrays=False,
            token_prompts=False, base64_embeddings=False, pooled_embeddings=False),
     # llama.cpp's own server (llama-server): n_predict overrides max_tokens; n must be 1; its
-    # completions endpoint does not echo the prompt.
+    # completions endpoint does not echo the prompt. It reads ``tool_choice`` as a string only
+    # (tools/server/server-common.cpp, ``oaicompat_chat_params_parse``): a named function falls
+    # back to "auto" with a warning in its log, and its own Messages endpoint sends Anthropic's
+    # named choice as "required" (tools/server/server-chat.cpp).
     Family("llama.cpp", SAMPLING - {"n"} | {"ignore_eos"}, ("max_tokens", "n_predict"),
-           text_parts=False, completion_params=TEXT_SAMPLING - {"n", "echo"}),
+           text_parts=False, completion_params=TEXT_SAMPLING - {"n", "echo"},
+           named_tool_choice=False),
 )}
 
 

@@ -69,7 +69,7 @@ def check(body, entry):
                              param="top_logprobs", code="invalid_value")
     tools.rewrite_functions(body, params)
     tools.check_tools(params.get("tools"))
-    tools.check_tool_choice(params.get("tool_choice"), entry)
+    tools.check_tool_choice(params.get("tool_choice"), entry, params.get("tools"))
     stream = _stream(body.get("stream"))
     cap = _max_tokens(body, entry)
     _min_tokens(params.get("min_tokens"), cap)
@@ -113,6 +113,8 @@ def upstream_body(chat, backend):
         if name in family.params and PARAMETERS[name] == FORWARD:
             out[name] = value
     out.update(chat.extras)
+    if isinstance(out.get("tool_choice"), dict) and not family.named_tool_choice:
+        out.update(tools.named_as_required(out["tool_choice"], out["tools"]))
     if "parallel_tool_calls" in chat.params:  # only where the model honours it
         out["parallel_tool_calls"] = chat.params["parallel_tool_calls"]
     for name in family.length_fields:

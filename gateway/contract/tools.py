@@ -100,7 +100,9 @@ def check_function_call(function, where):
     refuse_unknown_keys(function, FUNCTION_CALL_KEYS, where)
 
 
-def check_tool_choice(choice, entry):
+def check_tool_choice(choice, entry, tools=None):
+    """Check ``tool_choice`` against the model and ``tools`` (already checked): a named
+    function must be one of them."""
     if choice is None or choice in ("auto", "none"):
         return
     forced = choice == "required" or (
@@ -119,6 +121,21 @@ def check_tool_choice(choice, entry):
         raise UnsupportedParameter(f"Forced tool choice is not supported on model "
                                    f"'{entry.id}': send tool_choice \"auto\".",
                                    param="tool_choice")
+    if isinstance(choice, dict):
+        name = choice["function"]["name"]
+        if not any(t["function"]["name"] == name for t in tools or ()):
+            raise InvalidRequest(f"Invalid 'tool_choice': no function named '{name[:100]}' in "
+                                 f"'tools'.", param="tool_choice.function.name",
+                                 code="invalid_value")
+
+
+def named_as_required(choice, tools):
+    """The ``tool_choice`` and ``tools`` that force the call ``choice`` names on a server that
+    reads no named choice: "required", with that function the only tool (OpenAI's named choice
+    forces a call of that function; "required" forces a call of one of ``tools``)."""
+    name = choice["function"]["name"]
+    return {"tool_choice": "required",
+            "tools": [t for t in tools if t["function"]["name"] == name]}
 
 
 def parallel_tool_calls(body, entry, params):

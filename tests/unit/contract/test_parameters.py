@@ -273,3 +273,34 @@ def test_parallel_tool_calls_forwarded_only_where_honoured():
     capable = entry(parallel_tool_calls=True)
     chat, body = build(model=capable, parallel_tool_calls=False)
     assert body["parallel_tool_calls"] is False and not chat.single_tool_call
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather."}}
+TIME = {"type": "function", "function": {"name": "get_time", "description": "Time."}}
+NAMED = {"type": "function", "function": {"name": "get_time"}}
+
+
+def test_a_named_tool_choice_reaches_llama_server_as_required_with_that_tool_only():
+    """llama-server reads ``tool_choice`` as a string only (a named one falls back to "auto"):
+    it is sent "required" with the named function the only tool, which forces the same call;
+    the client's ``tools`` are left as sent, and other families get the named choice as is."""
+    tools = [WEATHER, TIME]
+    chat, body = build(model=entry("llama.cpp", forced_tool_choice=True), tools=tools,
+                       tool_choice=NAMED)
+    assert body["tool_choice"] == "required" and body["tools"] == [TIME]
+    assert chat.params["tools"] == [WEATHER, TIME] and chat.params["tool_choice"] == NAMED
+    _, required = build(model=entry("llama.cpp", forced_tool_choice=True), tools=tools,
+                        tool_choice="required")
+    assert required["tool_choice"] == "required" and required["tools"] == tools
+    for server in ("generic", "vllm", "llama-cpp-python"):
+        _, other = build(model=entry(server, forced_tool_choice=True), tools=tools,
+                         tool_choice=NAMED)
+        assert other["tool_choice"] == NAMED and other["tools"] == tools
+
+
+@pytest.mark.parametrize("tools", [None, [WEATHER]])
+def test_a_named_tool_choice_must_name_one_of_the_tools(tools):
+    with pytest.raises(InvalidRequest) as err:
+        build(model=entry(forced_tool_choice=True), tools=tools, tool_choice=NAMED)
+    assert err.value.param == "tool_choice.function.name"
+    assert err.value.code == "invalid_value"
