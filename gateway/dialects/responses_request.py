@@ -120,27 +120,9 @@ def parse(body, catalog, body_bytes, history=None, store_default=True):
     body = {k: v for k, v in body.items() if v is not None}  # null is absent, as for chat
     entry = catalog.get(body["model"]) if isinstance(body.get("model"), str) else None
     extra = entry.extra_params if entry is not None else ()
-    for name in body:
-        if name not in FIELDS and name not in extra:
-            raise UnknownParameter(name[:100], f"Unrecognized request argument supplied: "
-                                               f"{name[:100]}")
-        if FIELDS.get(name) == REFUSE:
-            raise UnsupportedParameter(REFUSALS[name], param=name)
-    if body.get("background") not in (None, False):
-        raise UnsupportedParameter("'background' responses are not supported: Kiln answers in "
-                                   "the request (use stream: true for long generations).",
-                                   param="background")
+    _check_fields(body, extra)
     _dropped_fields(body)
-    b = _Builder()
-    if body.get("instructions") is not None:
-        require_string(body["instructions"], "instructions")
-        b.add({"role": "developer", "content": body["instructions"]}, "instructions")
-    for item in history or ():
-        b.item(item, "previous_response_id", resolving=False)
-    items = _input_items(body.get("input"))
-    for i, item in enumerate(items):
-        b.item(item, f"input[{i}]" if not isinstance(body.get("input"), str) else "input")
-    b.flush()
+    b = _conversation(body, history)
     chat = {"model": body.get("model"), "messages": b.messages}
     tools, dropped = _tools(body.get("tools"), b)
     choice = _tool_choice(body.get("tool_choice"), tools, body.get("tools"))
@@ -170,6 +152,37 @@ def parse(body, catalog, body_bytes, history=None, store_default=True):
         **vars(checked), response_id=new_id("resp_"), created_at=int(time.time()),
         echo=_echo(body, tools, choice), dropped_tools=dropped, input_items=b.stored,
         store=store, previous_response_id=previous)
+
+
+def _check_fields(body, extra):
+    """Refuse a field Responses does not define (or the model's extra parameters), one Kiln
+    refuses (:data:`REFUSALS`), and a ``background`` response."""
+    for name in body:
+        if name not in FIELDS and name not in extra:
+            raise UnknownParameter(name[:100], f"Unrecognized request argument supplied: "
+                                               f"{name[:100]}")
+        if FIELDS.get(name) == REFUSE:
+            raise UnsupportedParameter(REFUSALS[name], param=name)
+    if body.get("background") not in (None, False):
+        raise UnsupportedParameter("'background' responses are not supported: Kiln answers in "
+                                   "the request (use stream: true for long generations).",
+                                   param="background")
+
+
+def _conversation(body, history):
+    """The chat messages of ``instructions``, the ``history`` items and ``input``, in order, in
+    a flushed :class:`_Builder`."""
+    b = _Builder()
+    if body.get("instructions") is not None:
+        require_string(body["instructions"], "instructions")
+        b.add({"role": "developer", "content": body["instructions"]}, "instructions")
+    for item in history or ():
+        b.item(item, "previous_response_id", resolving=False)
+    items = _input_items(body.get("input"))
+    for i, item in enumerate(items):
+        b.item(item, f"input[{i}]" if not isinstance(body.get("input"), str) else "input")
+    b.flush()
+    return b
 
 
 REFUSALS = {
