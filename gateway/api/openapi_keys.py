@@ -96,12 +96,11 @@ def _key_fields():
     }
 
 
-def key_schemas():
-    """Return the component schemas of :func:`key_paths`."""
-    count = {"type": "integer", "minimum": 0}
+def _key_view():
+    """The properties of a key's view (``Key``): every field ``GET /v1/keys/{id}`` answers."""
     maybe_usd = {"anyOf": [DECIMAL_USD, {"type": "null"}]}
     when = {"type": ["string", "null"], "format": "date-time"}
-    key_fields = {
+    return {
         "object": {"const": "key"}, "label": {"type": ["string", "null"]},
         "prefix": {"type": "string"},
         "limit_usd": {**maybe_usd, "description": "Spend limit; null: none."},
@@ -126,16 +125,26 @@ def key_schemas():
                                     "rotation stops working; null once it has."},
         "manage": {"type": "boolean", "description": "A management key (manages the org's "
                                                      "keys, calls no model)."}}
-    day = {"type": "object", "required": ["date", "model", "key_prefix", "requests", "errors",
-                                          "prompt_tokens", "cached_tokens",
-                                          "completion_tokens", "cost_usd"],
-           "properties": {"date": {"type": "string", "format": "date"},
-                          "model": {"type": "string"}, "key_prefix": {"type": "string"},
-                          "endpoint": {"type": "string", "description": "The API: chat, "
-                                       "messages, responses, completions, embeddings."},
-                          "key_label": {"type": ["string", "null"]}, "requests": count,
-                          "errors": count, "prompt_tokens": count, "cached_tokens": count,
-                          "completion_tokens": count, "cost_usd": DECIMAL_USD}}
+
+
+def _activity_day():
+    """One row of ``Activity``: an org's (or key's) usage of one model on one day."""
+    count = {"type": "integer", "minimum": 0}
+    return {"type": "object",
+            "required": ["date", "model", "key_prefix", "requests", "errors", "prompt_tokens",
+                         "cached_tokens", "completion_tokens", "cost_usd"],
+            "properties": {"date": {"type": "string", "format": "date"},
+                           "model": {"type": "string"}, "key_prefix": {"type": "string"},
+                           "endpoint": {"type": "string", "description": "The API: chat, "
+                                        "messages, responses, completions, embeddings."},
+                           "key_label": {"type": ["string", "null"]}, "requests": count,
+                           "errors": count, "prompt_tokens": count, "cached_tokens": count,
+                           "completion_tokens": count, "cost_usd": DECIMAL_USD}}
+
+
+def key_schemas():
+    """Return the component schemas of :func:`key_paths`."""
+    key_fields, day = _key_view(), _activity_day()
     return {
         "Key": {"type": "object", "required": list(key_fields), "properties": key_fields},
         "KeyWithSecret": {"allOf": [ref("Key"), {
