@@ -142,9 +142,18 @@ END $$"""
 
 SETTLE = f"""CREATE OR REPLACE FUNCTION kiln_settle(p_batch jsonb)
 RETURNS TABLE (gid text, debited bigint)
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql
+-- Each statement is planned once per session, not at every call: the batch is a parameter, so
+-- a plan made for one batch fits every other (ids are looked up through the primary key), and
+-- planning the statements below cost more than running them (PostgreSQL manual, "Plan
+-- Caching" under PL/pgSQL, and the plan_cache_mode setting).
+SET plan_cache_mode = force_generic_plan AS $$
 DECLARE
   v_now timestamptz := clock_timestamp();
+  -- The batch, parsed once.
+  v_rows kiln_settlement[] := ARRAY(SELECT x FROM jsonb_populate_recordset(
+                                      NULL::kiln_settlement, p_batch) x);
+  v_gids text[] := ARRAY(SELECT r.gid FROM unnest(v_rows) r);
   v_ids text[];
   v_lost text[];
 BEGIN
@@ -156,12 +165,11 @@ BEGIN
   --    locked (renewal locks the event first).
   SELECT array_agg(e.id) INTO v_ids FROM (
     SELECT e.id FROM usage_events e
-     WHERE e.id IN (SELECT s.gid FROM jsonb_populate_recordset(NULL::kiln_settlement,
-                                                                p_batch) s)
+     WHERE e.id = ANY(v_gids)
        AND e.status IN ('{PENDING}', '{ABANDONED}')
      ORDER BY e.id FOR UPDATE) e;
   SELECT array_agg(s.gid) INTO v_ids
-    FROM jsonb_populate_recordset(NULL::kiln_settlement, p_batch) s
+    FROM unnest(v_rows) s
     JOIN usage_events e ON e.id = s.gid
    WHERE s.gid = ANY(v_ids)
      AND CASE WHEN s.expired_before IS NULL THEN true
@@ -171,13 +179,13 @@ BEGIN
               ELSE false END;
   -- Admissions lost in a database crash (no event at all): written here, with no hold.
   SELECT array_agg(s.gid) INTO v_lost
-    FROM jsonb_populate_recordset(NULL::kiln_settlement, p_batch) s
+    FROM unnest(v_rows) s
    WHERE s.expired_before IS NULL
      AND NOT EXISTS (SELECT 1 FROM usage_events e WHERE e.id = s.gid);
   INSERT INTO usage_events (id, org_id, api_key_id, model, stream, status, hold_nanos,
                             started_at)
   SELECT s.gid, s.org, s.key, s.model, s.stream, '{PENDING}', 0, COALESCE(s.started_at, v_now)
-    FROM jsonb_populate_recordset(NULL::kiln_settlement, p_batch) s
+    FROM unnest(v_rows) s
    WHERE s.gid = ANY(v_lost)
   ON CONFLICT (id) DO NOTHING;
   v_ids := COALESCE(v_ids, '{{}}') || COALESCE(v_lost, '{{}}');
@@ -193,7 +201,7 @@ BEGIN
   --    correction moves the balance, the key's spend and
   --    the daily rollup by the difference from what the sweeper wrote.
   RETURN QUERY
-  WITH s AS (SELECT * FROM jsonb_populate_recordset(NULL::kiln_settlement, p_batch) x
+  WITH s AS (SELECT * FROM unnest(v_rows) x
               WHERE x.gid = ANY(v_ids)),
   lease AS (DELETE FROM in_flight f USING s WHERE f.generation_id = s.gid
             RETURNING f.generation_id, f.key_hold_nanos),

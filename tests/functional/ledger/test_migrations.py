@@ -234,3 +234,31 @@ def test_0013_folds_other_endpoints_into_chat_on_downgrade(empty_db):
     kiln(url, "db", "upgrade")
     with engine.connect() as conn:
         assert conn.execute(sa.text("SELECT endpoint FROM usage_daily")).scalar_one() == "chat"
+
+
+def test_0019_plans_settlement_once_and_its_downgrade_puts_back_the_parse_per_statement(
+        empty_db):
+    """0019 installs ``kiln_settle`` planned once per session (docs in the migration); its
+    downgrade puts back the function that parses the batch in each statement, with no setting,
+    and upgrade again this revision's, word for word."""
+    url, engine = empty_db
+    if engine.dialect.name != "postgresql":
+        pytest.skip("kiln_settle is Postgres's; SQLite settles in Python")
+    definition = ("SELECT pg_get_functiondef('kiln_settle(jsonb)'::regprocedure), "
+                  "(SELECT proconfig FROM pg_proc WHERE oid = 'kiln_settle(jsonb)'::regprocedure)")
+    kiln(url, "db", "upgrade")
+    with engine.connect() as conn:
+        after, config = conn.execute(sa.text(definition)).one()
+    assert config == ["plan_cache_mode=force_generic_plan"]
+    # the batch parsed once; its ids and four statements read the parsed rows
+    assert after.count("unnest(v_rows)") == 5 and after.count("jsonb_populate_recordset(") == 1
+    kiln(url, "db", "downgrade", "0016")
+    with engine.connect() as conn:
+        before, config = conn.execute(sa.text(definition)).one()
+    assert config is None and "v_rows" not in before and "v_gids" not in before
+    assert before.count("jsonb_populate_recordset(NULL::kiln_settlement, p_batch)") == 4
+    assert before.count("jsonb_populate_recordset(NULL::kiln_settlement,\n") == 1
+    kiln(url, "db", "upgrade")
+    with engine.connect() as conn:
+        assert tuple(conn.execute(sa.text(definition)).one()) == (
+            after, ["plan_cache_mode=force_generic_plan"])
