@@ -52,6 +52,12 @@ class Config:
     # settlement commits a few milliseconds later (docs/METERING.md).
     settle_before_answer: bool = False
     settle_wait_s: float = 5.0
+    # True: the request of an org this worker admitted last (within a minute, no refusal
+    # since) goes to its backend while its admission runs; nothing is relayed before it is
+    # admitted, and a refusal stops the backend at once. Off by default: a request refused
+    # at the in-flight limit has then reached a backend for a moment (docs/METERING.md,
+    # "Early send").
+    early_send: bool = False
     # False: no lease, no hold, no usage event, no debit. For benchmarks only (bench/metering.py).
     metering: bool = True
     trusted_proxies: str = "127.0.0.1,::1"

@@ -48,6 +48,8 @@ class Exchange:
         self._build_body, self._stream = build_body, stream
         self.watch = ClientWatch(sock) if stream else None
         self.call = self.pump = None
+        self._early = None  # a whole reply's tries, sent before the flow asked (start)
+        self._sent_at = None
         self.accepted = False   # the backend's answer was taken: what it produced is billed
         self._keep_alive = False  # the reply was read to its end: keep the connection
         self._greenlet = gevent.getcurrent()
@@ -63,10 +65,22 @@ class Exchange:
         """Every backend URL tried, in order (the usage event's ``attempts``)."""
         return self.route.tried
 
+    def start(self):
+        """Send the request now, from a greenlet of its own, while the flow does something else
+        (admits it: docs/METERING.md, "Early send"); :meth:`send_and_read` and :meth:`send`
+        then wait for this call instead of sending one. Nothing is read for the client until
+        the flow asks, and :meth:`close` stops the backend if the flow never does."""
+        if self._stream:
+            self.send()
+        else:
+            self._sent_at = time.monotonic()
+            self._early = gevent.spawn(self.route.open, self._try_whole, self._first_timeouts())
+
     # -- a whole reply -------------------------------------------------------------------------
 
     def send_and_read(self, parse):
-        """Send the request from this greenlet and return ``parse(body)`` of the 2xx reply's whole
+        """Send the request from this greenlet (or wait for the one :meth:`start` sent) and
+        return ``parse(body)`` of the 2xx reply's whole
         body (non-stream); the answer is taken once it parses. A reply that breaks off (a reset,
         the idle timeout) is retried on another backend like a failure before its status line:
         nothing of it reached the client, and it is not billed (docs/ROUTING.md). A reply
@@ -76,9 +90,10 @@ class Exchange:
         :raises GatewayError: every try failed, or ``parse`` refused the reply.
         :raises UpstreamTooLarge: the reply is over the bound.
         """
-        sent = time.monotonic()
+        sent = self._sent_at or time.monotonic()
         try:
-            raw = self.route.open(self._try_whole, self._first_timeouts())
+            raw = self._early.get() if self._early is not None \
+                else self.route.open(self._try_whole, self._first_timeouts())
         except UpstreamTooLarge as err:
             self.accepted, self.oversized_bytes = True, err.bytes_read
             raise
@@ -105,9 +120,11 @@ class Exchange:
     # -- a stream ------------------------------------------------------------------------------
 
     def send(self):
-        """Send the request from its own greenlet; a client that leaves meanwhile aborts it."""
-        self.call = UpstreamCall(self._open)
-        self.watch.on_gone(self._client_gone)
+        """Send the request from its own greenlet (unless :meth:`start` did); a client that
+        leaves meanwhile aborts it."""
+        if self.call is None:
+            self.call = UpstreamCall(self._open)
+            self.watch.on_gone(self._client_gone)
 
     def wait(self, timeout_s):
         """Wait up to ``timeout_s`` for the backend's status line; return whether it answered.
@@ -183,6 +200,8 @@ class Exchange:
             self.pump.stop()  # first: closing a response inside another greenlet's read fails
         if self.call is not None:
             self.call.close(complete=self._keep_alive)
+        if self._early is not None and not self._early.ready():
+            self._early.kill()  # its try shuts its response down (_try_whole)
 
     def count_tokens(self, text):
         """The serving backend's tokenizer count of ``text``, or None: it has no tokenize

@@ -70,17 +70,19 @@ def respond(services, principal, request, codec, environ, on_answer=None):
         spans.set(request_attributes(request, codec.name))
     route = Route(services, request.entry, request.routing_messages)
     route.take(services.config.backend_wait_s)  # 503 when none is free, before any charge
-    try:
-        with spans.span("kiln.admission"):
-            admission = admit(services, principal, request, codec.name)
-    except BaseException:
-        route.release()
-        raise
     sock = environ.get("gunicorn.socket")
     exchange = Exchange(services, route, request.entry.timeouts_for(services.config),
                         lambda backend: encode_body(request.body_for(backend)),
                         request.stream, sock, request.path, _reply_bound(services, request),
                         spans)
+    try:
+        if services.config.early_send and services.ledger.likely_admitted(principal.org_id):
+            exchange.start()  # the backend begins while the ledger admits: "Early send"
+        with spans.span("kiln.admission"):
+            admission = admit(services, principal, request, codec.name)
+    except BaseException:
+        exchange.close()  # stops a backend sent early; gives the slot back
+        raise
     gen = Generation(services, principal, request, admission, exchange,
                      environ.get("kiln.client_addr"))
     if request.stream:

@@ -56,6 +56,7 @@ from ..db import is_postgres
 from ..errors import DatabaseBusy, DatabaseUnavailable, InsufficientCredits, RateLimited
 from ..endings import LEASE_EXPIRED, Status
 from . import outbox
+from .early import RecentAdmissions
 from .postgres import PostgresStore
 from .sqlite import SqliteStore
 from .worker import Admitter, Renewer, SettlementWriter
@@ -215,10 +216,27 @@ class Ledger:
         self._renewer = Renewer(self.store, config.lease_ttl_s, background=background)
         self._writer = SettlementWriter(self.store, metrics, on_committed=self._renewer.forget,
                                         background=background)
+        self.recent = RecentAdmissions()
 
     # -- admission ---------------------------------------------------------------------------
 
     def admit(self, request):
+        """Admit one request; return ``(gid, started_at)``. What it raises is :meth:`_admit`'s;
+        either way the org's answer is remembered (:meth:`likely_admitted`)."""
+        try:
+            admitted = self._admit(request)
+        except BaseException:
+            self.recent.refused(request.org_id)
+            raise
+        self.recent.admitted(request.org_id)
+        return admitted
+
+    def likely_admitted(self, org_id):
+        """Whether this worker admitted ``org_id``'s last request, within a minute: its next
+        may go to the backend while it is admitted (:mod:`.early`)."""
+        return self.recent.likely(org_id)
+
+    def _admit(self, request):
         """Admit one request; return ``(gid, started_at)``.
 
         A rejection that saw expired leases of the org (a dead worker's) reclaims them and tries
@@ -356,6 +374,9 @@ class NullLedger:
 
     def admit(self, request):
         return request.gid, None
+
+    def likely_admitted(self, org_id):
+        return False  # admission is instant: nothing to overlap
 
     def track(self, gid, progress):
         return Lease(gid, progress)

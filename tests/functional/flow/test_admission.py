@@ -505,3 +505,70 @@ def test_a_relay_whose_lease_was_swept_stops_relaying(start_gateway, fake, engin
     event = usage_event(engine, gid)
     assert event["completion_tokens"] == 1 and event["cost_nanos"] > 0  # the real figures
     assert_ledger(engine, org.id, 10 * 10**9)
+
+
+# -- early send (docs/METERING.md, "Early send") ------------------------------------------------
+
+def test_early_send_overlaps_admission_and_a_refusal_stops_the_backend(start_gateway, fake,
+                                                                         engine):
+    """With ``KILN_EARLY_SEND=true``, an org this worker admitted last is sent to its backend
+    while its admission waits (here on the org's balance row, held by the test): the backend
+    has the request before the admission is granted, and the answer is billed once. A
+    refusal (429 at the in-flight limit of 1) closes the early request at the backend; the
+    org's next request is not sent before its admission, and that one is refused without
+    reaching the backend at all."""
+    gw = start_gateway(workers=1, early_send="true")
+    org = make_org(engine, f"early-{uuid.uuid4().hex[:8]}", limit=1)
+    with requests.Session() as client:
+        def ask(body):
+            return client.post(gw.base_url + CHAT, json=body, headers=org.headers, timeout=30)
+
+        first = {"model": "fake-model", "messages": MESSAGES}
+        assert ask(first).status_code == 200  # not sent early: the org was never admitted here
+        assert len(fake.requests) == 1
+
+        locked, release = threading.Event(), threading.Event()
+
+        def hold_the_balance_row():
+            with engine.connect() as conn, conn.begin():
+                conn.execute(sa.text("SELECT 1 FROM credit_balances WHERE org_id = :o "
+                                     "FOR UPDATE"), {"o": org.id})
+                locked.set()
+                release.wait(timeout=30)
+        holder = threading.Thread(target=hold_the_balance_row)
+        holder.start()
+        assert locked.wait(timeout=10)
+        try:
+            with ThreadPoolExecutor(1) as pool:
+                second = pool.submit(ask, first)
+                fake.wait_for(lambda reqs: len(reqs) == 2)  # while the admission waits
+                assert not second.done()
+                release.set()
+                answer = second.result(timeout=30)
+        finally:
+            release.set()
+            holder.join()
+        assert answer.status_code == 200
+        gid = answer.headers["X-Neocloud-Generation-Id"]
+        assert usage_event(engine, gid)["status"] == "completed"
+
+        fake.enqueue([SSE_HEAD, Hang()])
+        held = requests.post(gw.base_url + CHAT, json=stream_body(), headers=org.headers,
+                             stream=True, timeout=30)
+        try:
+            assert held.status_code == 200
+            fake.enqueue([Hang()])  # the early request would wait here for ever
+            refused = ask(first)
+            assert refused.status_code == 429
+            early = fake.wait_for(lambda reqs: len(reqs) == 4 and reqs[3])
+            wait_until(lambda: fake.requests[3].closed_at is not None, timeout_s=10)
+            assert early.json["messages"] == MESSAGES
+            again = ask(first)
+            assert again.status_code == 429
+            assert len(fake.requests) == 4  # refused before any backend saw it
+        finally:
+            held.close()
+    quiet(engine, org.id)
+    events = events_of(engine, org.id)
+    assert [e["status"] for e in events] == ["completed", "completed", "client_cancelled"]
+    assert_ledger(engine, org.id, 10 * 10**9)
