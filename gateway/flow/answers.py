@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import gevent
 
-from ..backends.relay import relay_stream
+from ..backends.relay import StreamFailed, relay_stream
 from ..errors import UpstreamError
 from .outcomes import check_complete
 from .rules import StreamRules, apply_to_completion
@@ -163,11 +163,15 @@ def stream(gen, exchange, request, renderer):
     rules = StreamRules(gen.meter, request.stop, request.single_tool_call,
                         getattr(request, "echoed", None))
     with exchange.spans.span("kiln.stream"):  # the first token is an event of it
-        unfinished = yield from relay_stream(
-            pump, lambda payloads: _apply(gen, rules, renderer, payloads), gen.check_lease,
-            config.keepalive_s, exchange.timeouts.idle_s, config.max_event_bytes,
-            renderer.keepalive)
-        check_complete(rules, unfinished)
+        try:
+            unfinished = yield from relay_stream(
+                pump, lambda payloads: _apply(gen, rules, renderer, payloads), gen.check_lease,
+                config.keepalive_s, exchange.timeouts.idle_s, config.max_event_bytes,
+                renderer.keepalive)
+            check_complete(rules, unfinished)
+        except StreamFailed as err:
+            rules.failed(err.kind)
+            raise
     exchange.finish(keep_connection=pump.complete and not rules.cut)  # a cut one stops now
     return lambda charged_usd: renderer.end(gen.final_usage(), charged_usd, rules)
 

@@ -174,6 +174,7 @@ class StreamRules:
         self.error = None          # an error frame inside the stream, or a malformed event
         self.chunk_id, self.created, self.model = None, 0, None  # for chunks a codec writes
         self._calls = {}           # choice index -> CallNumbers
+        self.events = 0            # data payloads received (empty ones and [DONE] included)
 
     @property
     def cut(self):
@@ -192,6 +193,7 @@ class StreamRules:
         """Return ``(payload to relay, its object)`` for a backend data ``payload`` (bytes), or
         None to relay nothing. The returned payload is the backend's bytes when Kiln changed
         nothing."""
+        self.events += 1
         if isinstance(payload, ErrorEvent):
             self._backend_error(_error_event(payload))
             return None
@@ -222,6 +224,15 @@ class StreamRules:
         if not self.meter.admit_chunk(obj):
             return None  # past the budget: the caller ends the stream
         return self._apply(obj, payload)
+
+    def failed(self, kind):
+        """The stream failed (``kind``: :class:`gateway.backends.relay.StreamFailed`'s). One that
+        the backend ended or broke off before any event is its refusal, like one whose first
+        event is an error (llama-cpp-python answers a prompt over its context with an empty
+        stream): nothing was generated, nothing is billed (docs/METERING.md). One Kiln gave up
+        on (the idle timeout, an event too large) is billed as before: the backend was at work."""
+        if not self.events and kind == "upstream_error":
+            self.meter.refused = True
 
     def _backend_error(self, error):
         self.error = error

@@ -9,7 +9,7 @@ import openai
 import pytest
 
 from factories import MESSAGES, fake_model_nanos
-from fake_upstream import Send, Status, chat_chunk, sse
+from fake_upstream import Close, Reset, Send, Status, chat_chunk, sse
 from gateway_proc import balance_nanos, settled_event
 from streams import SSE_HEAD, RawStream, assert_books_balance, close_raw_streams, data_events, \
     stream_body
@@ -101,4 +101,43 @@ def test_an_error_event_mid_stream_ends_it_as_one_error_billed_what_was_relayed(
     event = settled_event(engine, raw.gid)
     assert event["status"] == "upstream_error" and event["completion_tokens"] == 1
     assert event["cost_nanos"] == fake_model_nanos(prompt=event["prompt_tokens"], completion=1)
+    assert_books_balance(engine, org.id)
+
+
+EVENT_STREAM = Status(200, {"Content-Type": "text/event-stream"})
+
+
+@pytest.mark.parametrize("ending", ["empty", "comment then close", "reset"])
+def test_a_stream_ended_before_its_first_event_is_a_refusal_billed_nothing(
+        gateway, fake, org, engine, ending):
+    """llama-cpp-python answers a prompt over its context window with HTTP 200 and an empty
+    event stream; a backend may also break the connection before its first event. Nothing was
+    generated and the client got nothing: its error event, a usage event that bills nothing
+    (docs/METERING.md, "A client that leaves")."""
+    start = balance_nanos(engine, org.id)[0]
+    script = {"empty": [EVENT_STREAM, Close()],
+              "comment then close": [EVENT_STREAM, Send(b": ping\n\n"), Close()],
+              "reset": [EVENT_STREAM, Send(b": ping\n\n"), Reset()]}[ending]
+    fake.enqueue(script)
+    raw = RawStream(gateway.base_url, org.key, stream_body()).read_all()
+    assert raw.status == 200 and raw.ended and b"[DONE]" not in raw.body
+    (last,) = data_events(raw.body)
+    assert json.loads(last[6:])["error"]["code"] == "upstream_error"
+    event = settled_event(engine, raw.gid)
+    assert (event["status"], event["cost_nanos"], event["prompt_tokens"],
+            event["completion_tokens"]) == ("upstream_error", 0, 0, 0)
+    assert balance_nanos(engine, org.id)[0] == start
+    assert_books_balance(engine, org.id)
+
+
+def test_a_stream_that_breaks_after_an_empty_event_is_billed_its_prompt(gateway, fake, org,
+                                                                       engine):
+    """An event, even one without a chunk, is the backend at work: a break after it is billed
+    the prompt as any broken stream is; only a stream with no event at all is a refusal."""
+    fake.enqueue([EVENT_STREAM, Send(b"data: \n\n"), Close()])
+    raw = RawStream(gateway.base_url, org.key, stream_body()).read_all()
+    assert raw.status == 200 and b"[DONE]" not in raw.body
+    event = settled_event(engine, raw.gid)
+    assert event["status"] == "upstream_error" and event["prompt_tokens"] > 0
+    assert event["cost_nanos"] == fake_model_nanos(prompt=event["prompt_tokens"]) > 0
     assert_books_balance(engine, org.id)
