@@ -245,7 +245,7 @@ class Generation:
                 "prompt_counted_by": usage.prompt_by, "completion_counted_by": usage.completion_by,
                 "cost_usd": str(from_nanos(cost_nanos)), "ttft_ms": _ms(self.first_token_s),
                 "duration_ms": _ms(time.monotonic() - self.started),
-                "has_error": outcome.message is not None}
+                "has_error": outcome.message is not None, "code": outcome.code}
 
 
 def _new_gid():

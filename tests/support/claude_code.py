@@ -9,6 +9,7 @@ no network but the package registries), a fresh ``HOME`` so no user's settings a
 
 Run standalone to install it: ``python tests/support/claude_code.py install``.
 """
+import json
 import os
 import shutil
 import subprocess
@@ -17,14 +18,18 @@ import tempfile
 from pathlib import Path
 
 PACKAGE = "@anthropic-ai/claude-code"
+# The version the tests run: each release changes what it sends (docs/MESSAGES.md, "Claude
+# Code"), so a new one is taken on purpose, with the docs, not by whoever installs last.
+VERSION = "2.1.332"
 CACHE_DIR = Path(os.environ.get("KILN_CACHE_DIR", Path.home() / ".cache" / "kiln")) / "npm"
 BINARY = CACHE_DIR / "node_modules" / ".bin" / "claude"
+MANIFEST = CACHE_DIR / "node_modules" / "@anthropic-ai" / "claude-code" / "package.json"
 
 
 def installed():
-    """The ``claude`` executable, installing it first when it is not in the cache; None when
-    npm itself is absent (the test is then skipped)."""
-    if BINARY.exists():
+    """The ``claude`` executable of :data:`VERSION`, installing it first when the cache holds
+    no such one; None when npm itself is absent (the test is then skipped)."""
+    if BINARY.exists() and _cached_version() == VERSION:
         return BINARY
     npm = shutil.which("npm")
     if npm is None:
@@ -33,9 +38,16 @@ def installed():
     # The package's postinstall only copies the native binary of this platform over its
     # placeholder; npm installs that binary as an optional dependency either way.
     subprocess.run([npm, "install", "--prefix", str(CACHE_DIR), "--no-audit", "--no-fund",
-                    "--loglevel=error", PACKAGE], check=True, timeout=600,
+                    "--loglevel=error", f"{PACKAGE}@{VERSION}"], check=True, timeout=600,
                    stdin=subprocess.DEVNULL)
-    return BINARY if BINARY.exists() else None
+    return BINARY if BINARY.exists() and _cached_version() == VERSION else None
+
+
+def _cached_version():
+    try:
+        return json.loads(MANIFEST.read_text()).get("version")
+    except (OSError, ValueError):
+        return None
 
 
 def environment(base_url, key, model, home):

@@ -3,7 +3,6 @@ through Kiln (gunicorn, gevent workers), to the real llama.cpp server with SmolL
 (docs/MESSAGES.md). Each answer's ``usage.cost``, its usage event (endpoint ``messages``) and
 the balance's change agree exactly; every request is billed once.
 """
-import json
 from decimal import Decimal
 
 import anthropic
@@ -195,10 +194,16 @@ def test_claude_code_gets_an_answer_or_a_clean_error_never_a_5xx(llama_gateway, 
     else:
         assert "400" in done.stdout + done.stderr
         refused = [e for e in logged if e["http_status"] == 400]
-        assert refused and all(e.get("code") in ("upstream_rejected", "context_length_exceeded",
-                                                 "invalid_value") for e in refused), refused
+        codes = [(e["event"], e.get("code")) for e in refused]
+        assert refused and all(code in ("upstream_rejected", "context_length_exceeded",
+                                        "invalid_value") for _, code in codes), codes
+        events = {e["id"]: e for e in org_events(engine, org.id)}
+        for e in refused:  # the backend's refusals: each a usage event, status rejected
+            if e["event"] == "generation":
+                assert events[e["generation_id"]]["status"] == "rejected"
     events = org_events(engine, org.id)
     billed = sum(e["cost_nanos"] for e in events)
     assert balance_nanos(engine, org.id) == (10 * 10**9 - billed, 0, 0)
     assert all(e["endpoint"] == "messages" for e in events)
-    print(json.dumps(logged))
+    if done.returncode != 0:  # refused throughout: nothing generated, nothing billed
+        assert billed == 0, events
