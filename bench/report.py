@@ -37,6 +37,9 @@ ROWS = {
         ("p99_ms", "p99 ms", {}),
         ("rps", "req/s", _HIGHER),
         ("errors", "errors", _IF_ANY),
+        ("cpu_ms", "CPU ms/request, the target's processes", _RAW),
+        ("pg_cpu_ms", "CPU ms/request, Postgres", _IF_ANY),
+        ("commit_ms", "a durable one-row commit on its database, ms", _IF_ANY),
     ],
     "dialect": [  # another API beside chat, on the same target (bench/scenarios.py)
         ("p50_ms", "p50 ms", {}),

@@ -13,7 +13,9 @@ Targets, all in front of one fake OpenAI-compatible upstream (bench/fake_openai.
 
 Scenarios (bench/scenarios.py says which targets each runs on):
 
-* ``nonstream_c1``: non-stream latency at one connection (wrk latency distribution);
+* ``nonstream_c1``: non-stream latency at one connection (wrk latency distribution), and on
+  Kiln metered the median durable one-row commit on its database right after (metering's
+  added latency is counted in those);
 * ``messages_c1``: chat's request through Anthropic's ``POST /v1/messages`` at one connection
   beside chat's on the same Kiln;
 * ``tput_cN``: throughput and p99 at N connections (wrk), N from ``--concurrencies``;
@@ -33,6 +35,9 @@ runs on every target in turn (so the values of a reported ratio are measured sec
 every other round in reverse order; LiteLLM, slow to start, runs all its scenarios in one visit
 a round, between two blocks. Every value reported is the median over the rounds. The bursts of
 open streams run once per target, after the rounds, each on a freshly started target.
+
+Every wrk run also reads the CPU seconds of the target's processes and of Postgres (/proc)
+before and after: the detailed table gives both per request.
 
 Prints the target table (the ratios, bench/goals.py) and the detailed table. A
 complete run writes bench/RESULTS.md (keeping its hand-written analysis); a quick or partial

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -22,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import procstat as ps
 import targets as tg
 from stream_probe import probe
 
@@ -92,9 +94,12 @@ def wrk_run(
         if len(org_keys) < connections:
             raise RuntimeError(f"{target.name}: {len(org_keys)} org keys for {connections} conns")
         env["BENCH_API_KEYS"] = ",".join(org_keys[:connections])
+    gateway, postgres = ps.process_tree(target.pids), ps.pids_named("postgres")
+    cpu_before = ps.cpu_seconds(gateway), ps.cpu_seconds(postgres)
     out = subprocess.run(
         argv, capture_output=True, text=True, env=env, check=False, timeout=seconds + 60
     )
+    cpu_after = ps.cpu_seconds(gateway), ps.cpu_seconds(ps.pids_named("postgres"))
     line = next((ln for ln in out.stdout.splitlines() if ln.startswith("WRK_JSON ")), None)
     if line is None:
         raise RuntimeError(f"wrk failed: {out.stdout[-500:]} {out.stderr[-500:]}")
@@ -109,7 +114,45 @@ def wrk_run(
         "p99_ms": raw["p99_us"] / 1000 if done else None,
         "requests": raw["requests"],
         "errors": errors if done else max(errors, 1),
+        # CPU milliseconds per request: the target's processes, and every Postgres process
+        # (the server is the benchmark's own: only the target uses it during the run)
+        "cpu_ms": _per_request(cpu_after[0] - cpu_before[0], raw["requests"]),
+        "pg_cpu_ms": _per_request(cpu_after[1] - cpu_before[1], raw["requests"])
+        if target.db_name else None,
     }
+
+
+def _per_request(cpu_s: float, requests: int):
+    return cpu_s * 1000 / requests if requests else None
+
+
+def durable_commit_ms(db_name: str, n: int = 200) -> float:
+    """The median milliseconds of a durable one-row commit (an INSERT in autocommit, which
+    waits for its WAL flush) on ``db_name``: what one commit physically costs on this machine
+    now, the yardstick of metering's added latency (issue 26: within 1.5 of these)."""
+    import psycopg
+
+    times = []
+    with psycopg.connect(f"postgresql://postgres@127.0.0.1:5432/{db_name}",
+                         autocommit=True) as conn:
+        # a logged table: a temporary one writes no WAL, and its commit waits for nothing
+        conn.execute("CREATE TABLE IF NOT EXISTS bench_commit_probe (x integer)")
+        try:
+            for _ in range(n):
+                t0 = time.perf_counter()
+                conn.execute("INSERT INTO bench_commit_probe VALUES (1)")
+                times.append(time.perf_counter() - t0)
+        finally:
+            conn.execute("DROP TABLE bench_commit_probe")
+    return statistics.median(times) * 1000
+
+
+def latency_run(target: tg.Target, seconds: int) -> dict:
+    """wrk at one connection; on a metered Kiln, then the durable commit on its database."""
+    out = wrk_run(target, 1, seconds)
+    if target.name == KILN and target.db_name:
+        out["commit_ms"] = durable_commit_ms(target.db_name)
+    return out
 
 
 RESPONSES_TURNS = 20  # the history a previous_response_id request carries (issue 23)
@@ -235,7 +278,7 @@ def build(plan: Plan, upstream_url: str) -> list:
             "nonstream_c1",
             "non-stream, 1 conn",
             "wrk",
-            lambda t: wrk_run(t, 1, secs),
+            lambda t: latency_run(t, secs),
             every,
             "latency",
         ),
