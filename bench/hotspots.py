@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
-"""Where the gateway workers' CPU goes under load: Kiln unmetered beside the stack's floor.
+"""Where the gateway workers' CPU goes under load: Kiln metered and unmetered beside the
+stack's floor.
 
-Starts the fake upstream, then each target in turn (Kiln with ``KILN_METERING=false``, and
-bench/floor_app.py: a bare Flask relay on the same gunicorn gevent workers), drives it with
+Starts the fake upstream, then each target in turn (Kiln metered, Kiln with
+``KILN_METERING=false``, and bench/floor_app.py: a bare Flask relay on the same gunicorn gevent
+workers), drives it with
 wrk at 64 connections, and samples every worker with py-spy meanwhile. Prints, per target,
 requests/s and the share of the workers' samples by where their time is spent (the package or
 Kiln module at the top of each stack), so that the difference between the two says what
@@ -87,7 +89,8 @@ def main() -> None:
         kiln = kt.KilnBench(upstream.base_url, workdir, sc.ORGS_CONNS)
         kiln.provision()
         gunicorn = Path(sys.executable).parent / "gunicorn"
-        for name, start in (("kiln-nometer", lambda: kiln.start(metering=False)),
+        for name, start in (("kiln", lambda: kiln.start(metering=True)),
+                            ("kiln-nometer", lambda: kiln.start(metering=False)),
                             ("floor", lambda: tg.start_floor(upstream.base_url, workdir,
                                                              gunicorn))):
             target = start()
