@@ -146,8 +146,8 @@ def goals(open_counts, litellm_version: str = "") -> list:
 def _fmt(goal: Goal, value: float) -> str:
     if goal.style == "count":
         return f"{value:,.0f}"
-    if goal.style == "inverse":
-        return f"1/{1 / value:.2g}" if value > 0 else f"{value:.2g}×"
+    if goal.style == "inverse" and 0 < value < 1:
+        return f"1/{1 / value:.3g}"
     return f"{value:.3g}×"
 
 
