@@ -9,6 +9,11 @@ pipelining-safe request parsing and optional multi-process serving through
   after ``latency_ms``; stream: ``chunks`` SSE events spaced ``gap_ms`` apart
   (the first after ``latency_ms``), a usage chunk when
   ``stream_options.include_usage`` is true, then ``data: [DONE]``.
+* ``POST /v1/completions`` -- the same for a legacy text completion: a
+  ``text_completion`` object, or a stream of ``text_completion`` chunks.
+* ``POST /v1/embeddings`` -- one ``EMBEDDING_DIMS``-float vector per input (the
+  same for every input, floats whatever ``encoding_format`` asks) with usage,
+  after ``latency_ms``.
 * ``GET /v1/models`` -- a one-model list.
 * ``GET /health`` -- ``ok``.
 * ``GET /bench/stats`` -- counters summed over all processes: ``requests``,
@@ -36,6 +41,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import multiprocessing
 import os
 import re
@@ -43,6 +49,7 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 try:  # uvloop is optional; the stdlib loop is the default.
@@ -58,6 +65,10 @@ MODELS = {
 TOKEN_TEXT = "tok "
 NONSTREAM_TEXT = "This is a fixed benchmark answer from the fake upstream."
 NONSTREAM_TOKENS = 12
+EMBEDDING_DIMS = 384  # a small sentence-embedding model's size
+# Serialised once: writing 384 floats as JSON would cost the fake more than a chat answer.
+EMBEDDING_JSON = json.dumps([round(math.sin(i + 1) / 20, 8) for i in range(EMBEDDING_DIMS)],
+                            separators=(",", ":")).encode()
 MAX_HEADER_BYTES = 64 * 1024
 DIRECTIVE_RE = re.compile(r"\[bench ([^\]]*)\]")
 OVERRIDE_KEYS = ("latency_ms", "gap_ms", "chunks")
@@ -191,7 +202,12 @@ def http_head(status: int, headers: dict, keep_alive: bool) -> bytes:
 
 def json_response(status: int, payload, keep_alive: bool) -> bytes:
     """A complete JSON response."""
-    body = json.dumps(payload, separators=(",", ":")).encode()
+    return json_bytes_response(status, json.dumps(payload, separators=(",", ":")).encode(),
+                               keep_alive)
+
+
+def json_bytes_response(status: int, body: bytes, keep_alive: bool) -> bytes:
+    """A complete response of JSON ``body``."""
     head = http_head(
         status,
         {"content-type": "application/json", "content-length": str(len(body))},
@@ -267,6 +283,101 @@ def chunk_body(model: str, created: int, delta: dict, finish=None) -> dict:
         "system_fingerprint": "fake-openai",
         "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
     }
+
+
+def chat_piece(model: str, created: int, i: int) -> dict:
+    """The ``i``-th token chunk of a chat stream (the first names the role)."""
+    delta = {"role": "assistant", "content": TOKEN_TEXT} if i == 0 else {"content": TOKEN_TEXT}
+    return chunk_body(model, created, delta)
+
+
+def chat_last(model: str, created: int) -> dict:
+    """The chunk that ends a chat stream."""
+    return chunk_body(model, created, {}, "stop")
+
+
+def text_tokens(value) -> int:
+    """Rough token estimate of a ``prompt`` or an embeddings ``input``: one token per four
+    characters of a string, a token array as long as it is, and their sum in a list."""
+    if isinstance(value, str):
+        return max(1, len(value) // 4)
+    if isinstance(value, list):
+        return max(1, sum(1 if type(v) is int else text_tokens(v) for v in value))
+    return 1
+
+
+def text_completion_body(model: str, prompt: int) -> dict:
+    """Non-stream legacy text completion."""
+    return {
+        "id": "cmpl-bench",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "system_fingerprint": "fake-openai",
+        "choices": [
+            {"index": 0, "text": NONSTREAM_TEXT, "logprobs": None, "finish_reason": "stop"}
+        ],
+        "usage": usage(prompt, NONSTREAM_TOKENS),
+    }
+
+
+def text_chunk_body(model: str, created: int, text: str, finish=None) -> dict:
+    """One streamed ``text_completion`` chunk."""
+    return {
+        "id": "cmpl-bench",
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "system_fingerprint": "fake-openai",
+        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
+    }
+
+
+@dataclass(frozen=True)
+class Api:
+    """How a generating endpoint reads its request and writes its answers."""
+
+    prompt: Callable[[dict], int]  # request body -> prompt tokens
+    answer: Callable[[str, int], dict]  # (model, prompt tokens) -> the non-stream answer
+    piece: Callable[[str, int, int], dict]  # (model, created, i) -> the i-th token chunk
+    last: Callable[[str, int], dict]  # (model, created) -> the chunk that ends the stream
+
+
+CHAT = Api(lambda body: prompt_tokens(body.get("messages")), completion_body, chat_piece,
+           chat_last)
+TEXT = Api(
+    lambda body: text_tokens(body.get("prompt")),
+    text_completion_body,
+    lambda model, created, i: text_chunk_body(model, created, TOKEN_TEXT),
+    lambda model, created: text_chunk_body(model, created, "", "stop"),
+)
+GENERATE = {  # path -> the endpoint answering it
+    "/v1/chat/completions": CHAT, "/chat/completions": CHAT,
+    "/v1/completions": TEXT, "/completions": TEXT,
+}  # fmt: skip
+EMBEDDINGS_PATHS = ("/v1/embeddings", "/embeddings")
+
+
+def embedding_inputs(value) -> list:
+    """The inputs of an embeddings ``input``: a string or a token array, or a list of them."""
+    if isinstance(value, list) and value and type(value[0]) is not int:
+        return value
+    return [value]
+
+
+def embeddings_body(model: str, inputs: list) -> bytes:
+    """A list of embeddings, one per input, with usage, as JSON."""
+    tokens = text_tokens(inputs)
+    payload = {
+        "object": "list",
+        "data": [
+            {"object": "embedding", "index": i, "embedding": None} for i in range(len(inputs))
+        ],
+        "model": model,
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+    }
+    text = json.dumps(payload, separators=(",", ":")).encode()
+    return text.replace(b'"embedding":null', b'"embedding":' + EMBEDDING_JSON)
 
 
 # --------------------------------------------------------------------------
@@ -371,10 +482,11 @@ class Connection(asyncio.Protocol):
 
     def dispatch(self, req: Request):
         STATS.add("requests")
-        if req.path == "/v1/chat/completions" or req.path == "/chat/completions":
+        if req.path in GENERATE or req.path in EMBEDDINGS_PATHS:
             if req.method != "POST":
                 return self.reply(error_response(405, "use POST", req.keep_alive), req.keep_alive)
-            return self.chat(req)
+            api = GENERATE.get(req.path)
+            return self.generate(req, api) if api else self.embed(req)
         if req.path in ("/v1/models", "/models") and req.method == "GET":
             return self.reply(json_response(200, MODELS, req.keep_alive), req.keep_alive)
         if req.path == "/bench/stats":
@@ -383,29 +495,53 @@ class Connection(asyncio.Protocol):
             return self.reply(json_response(200, {"status": "ok"}, req.keep_alive), req.keep_alive)
         return self.reply(error_response(404, "not found", req.keep_alive), req.keep_alive)
 
-    def chat(self, req: Request):
+    def read_body(self, req: Request):
+        """``(body, settings)`` of a POST, or ``None`` once a 400 is sent."""
         try:
             body = json.loads(req.body or b"{}")
             if not isinstance(body, dict):
                 raise TypeError("body must be a JSON object")
-            settings = request_settings(req, body, self.defaults)
+            return body, request_settings(req, body, self.defaults)
         except (TypeError, ValueError) as exc:
-            return self.reply(error_response(400, str(exc), req.keep_alive), req.keep_alive)
+            self.reply(error_response(400, str(exc), req.keep_alive), req.keep_alive)
+            return None
+
+    def generate(self, req: Request, api: Api):
+        """A chat or text completion: one JSON answer, or a stream."""
+        read = self.read_body(req)
+        if read is None:
+            return None
+        body, settings = read
         model = str(body.get("model") or MODEL_ID)
-        prompt = prompt_tokens(body.get("messages"))
+        prompt = api.prompt(body)
         if body.get("stream"):
             self.busy = True
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
             self.stream_task = asyncio.ensure_future(
-                self.stream(req, settings, model, prompt, include_usage)
+                self.stream(req, settings, model, prompt, include_usage, api)
             )
             return None
-        payload = json_response(200, completion_body(model, prompt), req.keep_alive)
+        payload = json_response(200, api.answer(model, prompt), req.keep_alive)
+        return self.answer(payload, settings, req.keep_alive)
+
+    def embed(self, req: Request):
+        """A list of embeddings, one per input."""
+        read = self.read_body(req)
+        if read is None:
+            return None
+        body, settings = read
+        model = str(body.get("model") or MODEL_ID)
+        inputs = embedding_inputs(body.get("input"))
+        payload = json_bytes_response(200, embeddings_body(model, inputs), req.keep_alive)
+        return self.answer(payload, settings, req.keep_alive)
+
+    def answer(self, payload: bytes, settings: Settings, keep_alive: bool):
+        """Send a whole JSON answer after the request's ``latency_ms``."""
         if settings.latency_ms <= 0:
-            return self.reply(payload, req.keep_alive)
+            return self.reply(payload, keep_alive)
         self.busy = True
         loop = asyncio.get_running_loop()
-        loop.call_later(settings.latency_ms / 1000, self._delayed, payload, req.keep_alive)
+        loop.call_later(settings.latency_ms / 1000, self._delayed, payload, keep_alive)
         return None
 
     def _delayed(self, payload: bytes, keep_alive: bool):
@@ -413,7 +549,7 @@ class Connection(asyncio.Protocol):
             self.transport.write(payload)
         self.finish(keep_alive)
 
-    async def stream(self, req, settings: Settings, model, prompt, include_usage):
+    async def stream(self, req, settings: Settings, model, prompt, include_usage, api: Api):
         """Write the SSE stream on an absolute schedule so gaps do not drift."""
         keep_alive = req.keep_alive
         loop = asyncio.get_running_loop()
@@ -441,15 +577,11 @@ class Connection(asyncio.Protocol):
                     await asyncio.sleep(delay)
                 if self.closed:
                     return
-                delta = {"content": TOKEN_TEXT}
-                if i == 0:
-                    delta = {"role": "assistant", "content": TOKEN_TEXT}
-                self.transport.write(sse_chunk(sse_event(chunk_body(model, created, delta))))
-            tail = sse_chunk(sse_event(chunk_body(model, created, {}, "stop")))
+                self.transport.write(sse_chunk(sse_event(api.piece(model, created, i))))
+            last = api.last(model, created)
+            tail = sse_chunk(sse_event(last))
             if include_usage:
-                last = chunk_body(model, created, {})
-                last["choices"] = []
-                last["usage"] = usage(prompt, settings.chunks)
+                last = {**last, "choices": [], "usage": usage(prompt, settings.chunks)}
                 tail += sse_chunk(sse_event(last))
             tail += sse_chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n"
             if not self.closed:

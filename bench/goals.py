@@ -15,7 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from report import aggregate
-from scenarios import DIRECT, FLOOR, KILN, LITELLM, NOMETER, ORGS_CONNS, RESPONSES_TURNS
+from scenarios import (DIRECT, ENDPOINTS, ENDPOINTS_CONNS, FLOOR, KILN, LITELLM, NOMETER,
+                       ORGS_CONNS, RESPONSES_TURNS)
 
 
 @dataclass(frozen=True)
@@ -70,13 +71,14 @@ def added_ratio(a: str, b: str, field: str):
 def dialect_ratio(field: str):
     """What Kiln adds over direct on another API (``field``), over what it adds on chat
     (``chat_<field>``), both measured on one Kiln seconds apart (bench/scenarios.py,
-    ``responses_run``, ``messages_run``); direct's value is chat's."""
+    ``responses_run``, ``messages_run``, ``upstream_api_run``); each over direct's value of the
+    same field, which for an API the fake upstream lacks (Messages, Responses) is chat's."""
     def value(vals):
-        direct = _get(vals, DIRECT, field)
+        direct, direct_chat = _get(vals, DIRECT, field), _get(vals, DIRECT, f"chat_{field}")
         other, chat = _get(vals, KILN, field), _get(vals, KILN, f"chat_{field}")
-        if None in (direct, other, chat):
+        if None in (direct, direct_chat, other, chat):
             return None
-        return _ratio(other - direct, chat - direct)
+        return _ratio(other - direct, chat - direct_chat)
     return value
 
 
@@ -87,6 +89,11 @@ def metering_in_commits(vals: dict):
     if metered is None or unmetered is None:
         return None
     return _ratio(metered - unmetered, _get(vals, KILN, "commit_ms"))
+
+
+def kiln_ratio(num: str, den: str):
+    """Kiln's field ``num`` over its field ``den``, measured in one scenario."""
+    return lambda vals: _ratio(_get(vals, KILN, num), _get(vals, KILN, den))
 
 
 def not_open(vals: dict):
@@ -117,6 +124,11 @@ def goals(open_counts, litellm_version: str = "") -> list:
         Goal(f"/v1/responses with a {RESPONSES_TURNS}-turn previous_response_id: added p50 / "
              f"chat's", f"responses_prev{RESPONSES_TURNS}_c1", (DIRECT, KILN),
              dialect_ratio("p50_ms"), 1.5, False),
+        *[Goal(f"/v1/{name} added p50 at 1 conn / chat's", f"{name}_c1", (DIRECT, KILN),
+               dialect_ratio("p50_ms"), 1.2, False) for name in ("completions", "embeddings")],
+        *[Goal(f"/v1{path} throughput at {ENDPOINTS_CONNS} conns / chat's",
+               f"endpoints_c{ENDPOINTS_CONNS}", (KILN,), kiln_ratio(f"{name}_rps", "chat_rps"),
+               1 / 1.2, True, "inverse") for name, (path, _) in ENDPOINTS.items()],
         Goal(f"throughput vs {lite}, 16 conns", "tput_c16",
              (KILN, LITELLM), raw_ratio(KILN, LITELLM, "rps"), 5, True),
         Goal(f"throughput vs {lite}, 64 conns", "tput_c64",
@@ -145,8 +157,8 @@ def goals(open_counts, litellm_version: str = "") -> list:
 def _fmt(goal: Goal, value: float) -> str:
     if goal.style == "count":
         return f"{value:,.0f}"
-    if goal.style == "inverse":
-        return f"1/{1 / value:.2g}" if value > 0 else f"{value:.2g}×"
+    if goal.style == "inverse" and 0 < value < 1:
+        return f"1/{1 / value:.3g}"
     return f"{value:.3g}×"
 
 

@@ -45,6 +45,7 @@ id = "bench-model"
 context_window = 32768
 max_output_tokens = 8192
 input = ["text"]
+endpoints = ["chat", "completions", "embeddings"]
 pricing = {{ input = "0.10", cached_input = "0.05", output = "0.30" }}
 backends = [{{ url = "{upstream_url}", model = "bench-model" }}]
 """

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from httpio import median
-from scenarios import TARGETS
+from scenarios import ENDPOINTS, TARGETS
 
 GATEWAYS = ("kiln", "litellm")
 
@@ -46,6 +46,11 @@ ROWS = {
         ("chat_p50_ms", "chat's p50 ms", {}),
         ("rps", "req/s", _HIGHER),
         ("chat_rps", "chat's req/s", _HIGHER),
+        ("errors", "errors", _IF_ANY),
+    ],
+    "endpoints": [  # every endpoint beside chat, on the same target (bench/scenarios.py)
+        ("chat_rps", "chat req/s", _HIGHER),
+        *[(f"{name}_rps", f"/v1{path} req/s", _HIGHER) for name, (path, _) in ENDPOINTS.items()],
         ("errors", "errors", _IF_ANY),
     ],
     "stream": [

@@ -23,6 +23,10 @@ Scenarios (bench/scenarios.py says which targets each runs on):
 * ``responses_c1``, ``responses_prev20_c1``: ``POST /v1/responses`` at one connection beside
   chat's on the same Kiln, plain and continuing a stored 20-turn conversation
   (``previous_response_id``);
+* ``completions_c1``, ``embeddings_c1``: ``POST /v1/completions`` and ``POST /v1/embeddings``
+  at one connection beside chat's, on Kiln and direct (the fake upstream serves both);
+* ``endpoints_c64``: throughput at 64 connections of every endpoint (messages, responses,
+  completions, embeddings) beside chat's on the same Kiln, run after run;
 * ``stream_20ms``, ``stream_1ms``: TTFT, inter-chunk gap and total over a 64-chunk stream
   paced at 20 ms and at 1 ms (bench/stream_probe.py);
 * ``open_N``: N slow streams opened at once and held: errors, time to open, RSS per stream,
@@ -254,6 +258,9 @@ def summary(kind: str, res: dict) -> str:
          for k, v in res.items()}  # fmt: skip
     if kind == "wrk":
         return f"{r['rps']} req/s p50 {r['p50_ms']} ms p99 {r['p99_ms']} ms errors {r['errors']}"
+    if kind == "endpoints":
+        rates = ", ".join(f"{n} {r[f'{n}_rps']}" for n in ("chat", *sc.ENDPOINTS))
+        return f"req/s: {rates}; errors {r['errors']}"
     if kind == "dialect":
         return (f"{r['rps']} req/s p50 {r['p50_ms']} ms (chat {r['chat_rps']} req/s p50 "
                 f"{r['chat_p50_ms']} ms) errors {r['errors']}")

@@ -42,7 +42,7 @@ class Scenario:
 
     key: str
     title: str
-    kind: str  # "wrk" | "stream" | "open"
+    kind: str  # "wrk" | "dialect" | "endpoints" | "stream" | "open"
     run: Callable[[tg.Target], dict]
     targets: frozenset  # the targets it runs on
     block: str  # scenarios whose values are compared run in one block, target after target
@@ -79,7 +79,7 @@ def wrk_run(
     """Non-stream chat completions with wrk; latencies in ms.
 
     With ``org_keys`` every connection has its own wrk thread and its own key; ``path`` and
-    ``body`` (a dict) send another request (``/responses``).
+    ``body`` (a dict) send another request (``/responses``, ``/embeddings``...).
     """
     threads = connections if org_keys else 1 if connections == 1 else 2
     argv = [
@@ -195,6 +195,28 @@ def responses_chain(target: tg.Target, turns: int) -> str:
     return previous
 
 
+COMPLETIONS_BODY = {"model": "bench-model", "max_tokens": 16,
+                    "prompt": "Say hello in one short sentence."}  # chat.lua's, as a prompt
+EMBEDDINGS_BODY = {"model": "bench-model", "input": "Say hello in one short sentence."}
+# The endpoints beside chat: name -> (path under /v1, body; None: chat.lua's, which is also a
+# Messages request). Each is one small non-stream request, as chat's.
+ENDPOINTS = {
+    "messages": ("/messages", None),
+    "responses": ("/responses", responses_body()),
+    "completions": ("/completions", COMPLETIONS_BODY),
+    "embeddings": ("/embeddings", EMBEDDINGS_BODY),
+}
+ENDPOINTS_CONNS = 64  # the connections of the endpoints' throughput scenario
+
+
+def chat_beside(target: tg.Target, seconds: int) -> dict:
+    """Chat at one connection (wrk), the first half of a run beside chat: its values, also as
+    ``chat_p50_ms``, ``chat_p99_ms`` and ``chat_rps``."""
+    chat = wrk_run(target, 1, seconds)
+    return {**chat, "chat_p50_ms": chat["p50_ms"], "chat_p99_ms": chat["p99_ms"],
+            "chat_rps": chat["rps"]}
+
+
 def responses_run(target: tg.Target, seconds: int, turns: int = 0) -> dict:
     """``POST /v1/responses`` at one connection (wrk), beside chat's on the same target a few
     seconds before: ``p50_ms``, ``rps``... are the Responses API's, ``chat_p50_ms``,
@@ -202,27 +224,50 @@ def responses_run(target: tg.Target, seconds: int, turns: int = 0) -> dict:
     many turns (``previous_response_id``: the chain is read and carried on every request).
     Direct (the fake upstream) has no Responses API: its values are chat's, the baseline that
     "added" subtracts."""
-    chat = wrk_run(target, 1, seconds)
-    out = {**chat, "chat_p50_ms": chat["p50_ms"], "chat_p99_ms": chat["p99_ms"],
-           "chat_rps": chat["rps"]}
+    out = chat_beside(target, seconds)
     if target.name == DIRECT:
         return out
     previous = responses_chain(target, turns) if turns else None
     resp = wrk_run(target, 1, seconds, path="/responses", body=responses_body(previous))
-    return {**out, **resp, "errors": resp["errors"] + chat["errors"]}
+    return {**out, **resp, "errors": resp["errors"] + out["errors"]}
 
 
 def messages_run(target: tg.Target, seconds: int) -> dict:
     """``POST /v1/messages`` (Anthropic's Messages API) at one connection, beside chat's on the
     same target a few seconds before, as :func:`responses_run`; the body is chat.lua's, which
     is both a chat and a Messages request. Direct's values are chat's."""
-    chat = wrk_run(target, 1, seconds)
-    out = {**chat, "chat_p50_ms": chat["p50_ms"], "chat_p99_ms": chat["p99_ms"],
-           "chat_rps": chat["rps"]}
+    out = chat_beside(target, seconds)
     if target.name == DIRECT:
         return out
     msg = wrk_run(target, 1, seconds, path="/messages")
-    return {**out, **msg, "errors": msg["errors"] + chat["errors"]}
+    return {**out, **msg, "errors": msg["errors"] + out["errors"]}
+
+
+def upstream_api_run(target: tg.Target, seconds: int, name: str) -> dict:
+    """Endpoint ``name`` (``completions``, ``embeddings``: APIs the upstream serves too) at one
+    connection, beside chat's on the same target a few seconds before, as :func:`messages_run`.
+    Direct measures both as well, so that what a gateway adds on each is over the same API
+    direct."""
+    out = chat_beside(target, seconds)
+    path, body = ENDPOINTS[name]
+    res = wrk_run(target, 1, seconds, path=path, body=body)
+    return {**out, **res, "errors": res["errors"] + out["errors"]}
+
+
+def endpoints_run(target: tg.Target, seconds: int) -> dict:
+    """Throughput at ``ENDPOINTS_CONNS`` connections (wrk) of every endpoint of ``ENDPOINTS``
+    and of chat, one after the other on the same target, chat in the middle so that no
+    endpoint runs more than two runs from it: ``<name>_rps`` and ``chat_rps`` in requests/s,
+    ``errors`` summed over the runs."""
+    names = list(ENDPOINTS)
+    half = len(names) // 2
+    out = {"errors": 0}
+    for name in [*names[:half], "chat", *names[half:]]:
+        path, body = ENDPOINTS.get(name, ("/chat/completions", None))
+        res = wrk_run(target, ENDPOINTS_CONNS, seconds, path=path, body=body)
+        out[f"{name}_rps"] = res["rps"]
+        out["errors"] += res["errors"]
+    return out
 
 
 def orgs_run(target: tg.Target, seconds: int) -> dict:
@@ -307,6 +352,17 @@ def build(plan: Plan, upstream_url: str) -> list:
             "latency",
         ),
     ]
+    scs += [
+        Scenario(
+            f"{name}_c1",
+            f"POST /v1/{name} beside chat, 1 conn",
+            "dialect",
+            lambda t, name=name: upstream_api_run(t, secs, name),
+            frozenset({DIRECT, KILN}),
+            "latency",
+        )
+        for name in ("completions", "embeddings")
+    ]
     for c in plan.concurrencies:
         if c == 1:
             continue  # the latency scenario above is concurrency 1
@@ -328,6 +384,14 @@ def build(plan: Plan, upstream_url: str) -> list:
             lambda t: orgs_run(t, secs),
             frozenset({KILN, NOMETER}),
             f"c{ORGS_CONNS}",
+        ),
+        Scenario(
+            f"endpoints_c{ENDPOINTS_CONNS}",
+            f"every endpoint beside chat, {ENDPOINTS_CONNS} conns",
+            "endpoints",
+            lambda t: endpoints_run(t, secs),
+            frozenset({KILN}),
+            "more",
         ),
         Scenario(
             "stream_20ms",
