@@ -16,15 +16,21 @@ pipelining-safe request parsing and optional multi-process serving through
   really reached the upstream and that a gateway stops upstream streams whose
   clients went away).
 
-Per-request overrides of ``latency_ms``, ``gap_ms`` and ``chunks`` (first match
-wins):
+Per-request overrides of ``latency_ms``, ``gap_ms``, ``chunks`` and ``distinct``
+(first match wins):
 
-1. headers ``X-Bench-Latency-Ms``, ``X-Bench-Gap-Ms``, ``X-Bench-Chunks``;
+1. headers ``X-Bench-Latency-Ms``, ``X-Bench-Gap-Ms``, ``X-Bench-Chunks``,
+   ``X-Bench-Distinct``;
 2. top-level body fields ``bench_latency_ms``, ``bench_gap_ms``,
-   ``bench_chunks``;
+   ``bench_chunks``, ``bench_distinct``;
 3. a directive anywhere in the last message's text, e.g.
    ``[bench gap_ms=1 chunks=64 latency_ms=0]`` -- this one survives gateways
    that drop unknown headers and body fields.
+
+``gap_ms=0`` writes the chunks back to back, as fast as the process can.
+``distinct=1`` numbers each chunk's text (``tok0 ``, ``tok1 ``...) instead of
+repeating ``tok ``: a model does not repeat one token for long, and LiteLLM
+ends a stream that repeats one chunk 100 times.
 
 Prints ``ready <base_url>`` on stdout once every process listens.
 
@@ -60,7 +66,7 @@ NONSTREAM_TEXT = "This is a fixed benchmark answer from the fake upstream."
 NONSTREAM_TOKENS = 12
 MAX_HEADER_BYTES = 64 * 1024
 DIRECTIVE_RE = re.compile(r"\[bench ([^\]]*)\]")
-OVERRIDE_KEYS = ("latency_ms", "gap_ms", "chunks")
+OVERRIDE_KEYS = ("latency_ms", "gap_ms", "chunks", "distinct")
 
 REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed"}
 
@@ -72,6 +78,7 @@ class Settings:
     latency_ms: float = 0.0
     gap_ms: float = 20.0
     chunks: int = 64
+    distinct: bool = False  # number each chunk's text instead of repeating TOKEN_TEXT
 
 
 class Stats:
@@ -303,6 +310,7 @@ def request_settings(req: Request, body: dict, defaults: Settings) -> Settings:
         latency_ms=float(found.get("latency_ms", defaults.latency_ms)),
         gap_ms=float(found.get("gap_ms", defaults.gap_ms)),
         chunks=max(1, int(found.get("chunks", defaults.chunks))),
+        distinct=bool(int(found.get("distinct", defaults.distinct))),
     )
 
 
@@ -441,9 +449,10 @@ class Connection(asyncio.Protocol):
                     await asyncio.sleep(delay)
                 if self.closed:
                     return
-                delta = {"content": TOKEN_TEXT}
+                text = f"tok{i} " if settings.distinct else TOKEN_TEXT
+                delta = {"content": text}
                 if i == 0:
-                    delta = {"role": "assistant", "content": TOKEN_TEXT}
+                    delta = {"role": "assistant", "content": text}
                 self.transport.write(sse_chunk(sse_event(chunk_body(model, created, delta))))
             tail = sse_chunk(sse_event(chunk_body(model, created, {}, "stop")))
             if include_usage:
