@@ -21,15 +21,21 @@ pipelining-safe request parsing and optional multi-process serving through
   really reached the upstream and that a gateway stops upstream streams whose
   clients went away).
 
-Per-request overrides of ``latency_ms``, ``gap_ms`` and ``chunks`` (first match
-wins):
+Per-request overrides of ``latency_ms``, ``gap_ms``, ``chunks`` and ``distinct``
+(first match wins):
 
-1. headers ``X-Bench-Latency-Ms``, ``X-Bench-Gap-Ms``, ``X-Bench-Chunks``;
+1. headers ``X-Bench-Latency-Ms``, ``X-Bench-Gap-Ms``, ``X-Bench-Chunks``,
+   ``X-Bench-Distinct``;
 2. top-level body fields ``bench_latency_ms``, ``bench_gap_ms``,
-   ``bench_chunks``;
+   ``bench_chunks``, ``bench_distinct``;
 3. a directive anywhere in the last message's text, e.g.
    ``[bench gap_ms=1 chunks=64 latency_ms=0]`` -- this one survives gateways
    that drop unknown headers and body fields.
+
+``gap_ms=0`` writes the chunks back to back, as fast as the process can.
+``distinct=1`` numbers each chunk's text (``tok0 ``, ``tok1 ``...) instead of
+repeating ``tok ``: a model does not repeat one token for long, and LiteLLM
+ends a stream that repeats one chunk 100 times.
 
 Prints ``ready <base_url>`` on stdout once every process listens.
 
@@ -71,7 +77,7 @@ EMBEDDING_JSON = json.dumps([round(math.sin(i + 1) / 20, 8) for i in range(EMBED
                             separators=(",", ":")).encode()
 MAX_HEADER_BYTES = 64 * 1024
 DIRECTIVE_RE = re.compile(r"\[bench ([^\]]*)\]")
-OVERRIDE_KEYS = ("latency_ms", "gap_ms", "chunks")
+OVERRIDE_KEYS = ("latency_ms", "gap_ms", "chunks", "distinct")
 
 REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed"}
 
@@ -83,6 +89,7 @@ class Settings:
     latency_ms: float = 0.0
     gap_ms: float = 20.0
     chunks: int = 64
+    distinct: bool = False  # number each chunk's text instead of repeating TOKEN_TEXT
 
 
 class Stats:
@@ -285,9 +292,9 @@ def chunk_body(model: str, created: int, delta: dict, finish=None) -> dict:
     }
 
 
-def chat_piece(model: str, created: int, i: int) -> dict:
-    """The ``i``-th token chunk of a chat stream (the first names the role)."""
-    delta = {"role": "assistant", "content": TOKEN_TEXT} if i == 0 else {"content": TOKEN_TEXT}
+def chat_piece(model: str, created: int, i: int, text: str) -> dict:
+    """The ``i``-th token chunk of a chat stream, ``text`` (the first names the role)."""
+    delta = {"role": "assistant", "content": text} if i == 0 else {"content": text}
     return chunk_body(model, created, delta)
 
 
@@ -339,7 +346,7 @@ class Api:
 
     prompt: Callable[[dict], int]  # request body -> prompt tokens
     answer: Callable[[str, int], dict]  # (model, prompt tokens) -> the non-stream answer
-    piece: Callable[[str, int, int], dict]  # (model, created, i) -> the i-th token chunk
+    piece: Callable[[str, int, int, str], dict]  # (model, created, i, text) -> i-th chunk
     last: Callable[[str, int], dict]  # (model, created) -> the chunk that ends the stream
 
 
@@ -348,7 +355,7 @@ CHAT = Api(lambda body: prompt_tokens(body.get("messages")), completion_body, ch
 TEXT = Api(
     lambda body: text_tokens(body.get("prompt")),
     text_completion_body,
-    lambda model, created, i: text_chunk_body(model, created, TOKEN_TEXT),
+    lambda model, created, i, text: text_chunk_body(model, created, text),
     lambda model, created: text_chunk_body(model, created, "", "stop"),
 )
 GENERATE = {  # path -> the endpoint answering it
@@ -414,6 +421,7 @@ def request_settings(req: Request, body: dict, defaults: Settings) -> Settings:
         latency_ms=float(found.get("latency_ms", defaults.latency_ms)),
         gap_ms=float(found.get("gap_ms", defaults.gap_ms)),
         chunks=max(1, int(found.get("chunks", defaults.chunks))),
+        distinct=bool(int(found.get("distinct", defaults.distinct))),
     )
 
 
@@ -577,7 +585,8 @@ class Connection(asyncio.Protocol):
                     await asyncio.sleep(delay)
                 if self.closed:
                     return
-                self.transport.write(sse_chunk(sse_event(api.piece(model, created, i))))
+                text = f"tok{i} " if settings.distinct else TOKEN_TEXT
+                self.transport.write(sse_chunk(sse_event(api.piece(model, created, i, text))))
             last = api.last(model, created)
             tail = sse_chunk(sse_event(last))
             if include_usage:

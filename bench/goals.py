@@ -96,6 +96,16 @@ def kiln_ratio(num: str, den: str):
     return lambda vals: _ratio(_get(vals, KILN, num), _get(vals, KILN, den))
 
 
+def relay_ratio(a: str, b: str):
+    """``a``'s streamed chunks per CPU-second over ``b``'s, or ``None`` when either lost a
+    chunk or a stream (bench/relay_probe.py): a relay that drops chunks cannot meet a bound."""
+    def value(vals):
+        if _get(vals, a, "errors") or _get(vals, b, "errors"):
+            return None
+        return raw_ratio(a, b, "chunks_per_cpu_s")(vals)
+    return value
+
+
 def not_open(vals: dict):
     """Kiln's streams that were not open through the whole hold (errors included)."""
     streams = _get(vals, KILN, "streams")
@@ -140,6 +150,12 @@ def goals(open_counts, litellm_version: str = "") -> list:
              (DIRECT, NOMETER, FLOOR), added_ratio(NOMETER, FLOOR, "p50_ms"), 1.3, False),
         Goal("unmetered vs the stack's floor: throughput at 64 conns", "tput_c64",
              (NOMETER, FLOOR), raw_ratio(NOMETER, FLOOR, "rps"), 0.85, True),
+        Goal("metered vs the stack's floor: stream chunks relayed per CPU-second (unpaced)",
+             "stream_fast", (KILN, FLOOR), relay_ratio(KILN, FLOOR), 0.7, True),
+        Goal(f"stream chunks relayed per CPU-second vs {lite} (unpaced)",
+             "stream_fast", (KILN, LITELLM), relay_ratio(KILN, LITELLM), 1, True),
+        Goal(f"chunk gap p99 vs {lite} (64×1 ms stream)", "stream_1ms",
+             (KILN, LITELLM), raw_ratio(KILN, LITELLM, "gap_p99_ms"), 1, False),
     ]  # fmt: skip
     for n in open_counts:
         rows += [

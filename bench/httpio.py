@@ -26,13 +26,16 @@ def chat_body(
     gap_ms: float = 20.0,
     latency_ms: float = 0.0,
     model: str = "bench-model",
+    distinct: bool = False,
 ) -> bytes:
     """A chat request; pacing travels in a message directive the fake reads.
 
     The directive sits in the user text so it survives gateways that strip
-    unknown headers or body fields.
+    unknown headers or body fields. ``distinct`` asks for numbered chunk texts
+    (bench/fake_openai.py).
     """
-    directive = f"[bench chunks={chunks} gap_ms={gap_ms:g} latency_ms={latency_ms:g}]"
+    directive = f"[bench chunks={chunks} gap_ms={gap_ms:g} latency_ms={latency_ms:g}"
+    directive += " distinct=1]" if distinct else "]"
     body = {
         "model": model,
         "max_tokens": max(16, chunks),

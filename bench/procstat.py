@@ -33,17 +33,26 @@ def process_tree(pids) -> list:
     return sorted(seen)
 
 
+def process_cpu(pid: int):
+    """User + system CPU seconds used so far by one process, or ``None`` once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            fields = fh.read().rsplit(b")", 1)[1].split()
+    except OSError:
+        return None
+    ticks = int(fields[11]) + int(fields[12])  # utime, stime (fields 14, 15 of stat)
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
 def cpu_seconds(pids) -> float:
     """User + system CPU seconds used so far by the given processes (gone ones count 0)."""
-    total = 0
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat", "rb") as fh:
-                fields = fh.read().rsplit(b")", 1)[1].split()
-        except OSError:
-            continue
-        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14, 15 of stat)
-    return total / os.sysconf("SC_CLK_TCK")
+    return sum(process_cpu(pid) or 0 for pid in pids)
+
+
+def tree_cpu(pids) -> dict:
+    """``{pid: CPU seconds so far}`` of the PIDs and all their live descendants."""
+    cpu = {pid: process_cpu(pid) for pid in process_tree(pids)}
+    return {pid: seconds for pid, seconds in cpu.items() if seconds is not None}
 
 
 def pids_named(name: str) -> list:

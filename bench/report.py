@@ -59,6 +59,13 @@ ROWS = {
         ("total_p50_ms", "total p50 ms", {}),
         ("errors", "errors", _IF_ANY),
     ],
+    "relay": [  # unpaced streams at once (bench/relay_probe.py)
+        ("chunks_per_s", "chunks/s received", _HIGHER),
+        ("chunks_per_cpu_s", "chunks per CPU-second of the target's processes", _HIGHER),
+        ("busy_cores", "cores busy (target's CPU-seconds per second)", _RAW),
+        ("errors", "streams failed or incomplete", _IF_ANY),
+        ("processes_changed", "processes started or ended (their CPU left out)", _IF_ANY),
+    ],
     "open": [
         ("errors", "errors", _RAW),
         ("held_to_end", "open through the hold", _HIGHER),
@@ -285,7 +292,9 @@ same ratio round by round). *added* is the time a target adds over direct access
 upstream. *unmetered* is Kiln with `KILN_METERING=false`; *the stack's floor* is
 bench/floor_app.py, a bare Flask relay on the same gunicorn gevent workers. The many-orgs
 scenario gives each of its wrk connections its own thread and the key of its own org, and is
-compared with Kiln unmetered driven the same way."""
+compared with Kiln unmetered driven the same way. Chunks relayed per CPU-second count the CPU
+time of the target's own processes (gunicorn master and workers, LiteLLM and its workers; not
+Postgres, not the upstream) while a few unpaced streams run at once."""
 
 ANALYSIS_MARK = "<!-- analysis: written by hand, kept across runs -->"
 

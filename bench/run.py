@@ -29,6 +29,9 @@ Scenarios (bench/scenarios.py says which targets each runs on):
   completions, embeddings) beside chat's on the same Kiln, run after run;
 * ``stream_20ms``, ``stream_1ms``: TTFT, inter-chunk gap and total over a 64-chunk stream
   paced at 20 ms and at 1 ms (bench/stream_probe.py);
+* ``stream_fast``: a few 2,000-chunk streams at once, unpaced, with usage, back to back for the
+  wrk duration: text chunks received per second and per CPU-second of the target's own
+  processes, every chunk counted (bench/relay_probe.py);
 * ``open_N``: N slow streams opened at once and held: errors, time to open, RSS per stream,
   Postgres connections, how fast upstream streams stop once clients leave
   (bench/open_streams.py); LiteLLM only up to 5,000 (it takes minutes beyond).
@@ -61,7 +64,7 @@ Options:
   --targets LIST        comma-separated targets (default: all; direct is always added)
   --scenarios LIST      comma-separated scenario keys (alias --only; default: all)
   --rounds N            interleaved rounds (default 3)
-  --duration S          seconds per wrk run (default 10)
+  --duration S          seconds per wrk run and per relay run (default 10)
   --concurrencies LIST  wrk connection counts (default 1,16,64; 16 and up run on direct,
                         Kiln and LiteLLM, 64 also on the others)
   --open-streams LIST   stream counts of the bursts (default 5000,10000)
@@ -264,6 +267,12 @@ def summary(kind: str, res: dict) -> str:
     if kind == "dialect":
         return (f"{r['rps']} req/s p50 {r['p50_ms']} ms (chat {r['chat_rps']} req/s p50 "
                 f"{r['chat_p50_ms']} ms) errors {r['errors']}")
+    if kind == "relay":
+        return (
+            f"{r['chunks_per_s']} chunks/s, {r['chunks_per_cpu_s']} per CPU-s "
+            f"({r['busy_cores']} cores), {r['streams']} streams, errors {r['errors']} "
+            f"{r['error_samples'][:1]}"
+        )
     if kind == "stream":
         return (
             f"ttft p50 {r['ttft_p50_ms']} gap p99 {r['gap_p99_ms']} total p50 "
@@ -289,6 +298,10 @@ def settings_lines(args, plan: sc.Plan, names: list, keys: list) -> list:
             f"{sc.ORGS_CONNS} conns (a wrk thread and a key each)"
         ),
         f"streams: {plan.streams_20ms} × 64 chunks at 20 ms, {plan.streams_1ms} × 64 at 1 ms",
+        (
+            f"relay: {plan.fast_streams} streams at once of {plan.fast_chunks} chunks, unpaced, "
+            f"with usage, back to back for {plan.wrk_seconds} s; CPU = the target's processes"
+        ),
         (
             f"open streams: {', '.join(map(str, plan.open_counts))} at once, chunk every "
             f"{plan.open_gap_ms:g} ms, held {plan.open_hold_s:g} s, once per target; "

@@ -1,9 +1,10 @@
 """What bench/run.py measures: the scenarios, which targets each runs on, and the run's sizes.
 
 A scenario is one measurement of one target: a wrk run (non-stream requests at a fixed number
-of connections), a stream probe (sequential paced streams, bench/stream_probe.py) or a burst
-of streams held open at once (bench/open_streams.py). Each runs only on the targets that one
-of the reported comparisons needs, so that a full run stays short.
+of connections), a stream probe (sequential paced streams, bench/stream_probe.py), a relay run
+(a few unpaced streams at once, counted against the target's CPU time, bench/relay_probe.py)
+or a burst of streams held open at once (bench/open_streams.py). Each runs only on the targets
+that one of the reported comparisons needs, so that a full run stays short.
 
 Scenarios come in blocks. Within a round, bench/run.py runs a block on every target in turn
 before the next block, so that two values whose ratio is reported (Kiln metered and unmetered,
@@ -25,6 +26,7 @@ from pathlib import Path
 
 import procstat as ps
 import targets as tg
+from relay_probe import relay
 from stream_probe import probe
 
 BENCH_DIR = Path(__file__).resolve().parent
@@ -42,7 +44,7 @@ class Scenario:
 
     key: str
     title: str
-    kind: str  # "wrk" | "dialect" | "endpoints" | "stream" | "open"
+    kind: str  # "wrk" | "dialect" | "endpoints" | "stream" | "relay" | "open"
     run: Callable[[tg.Target], dict]
     targets: frozenset  # the targets it runs on
     block: str  # scenarios whose values are compared run in one block, target after target
@@ -57,6 +59,8 @@ class Plan:
     concurrencies: list = field(default_factory=lambda: [1, 16, 64])
     streams_20ms: int = 10
     streams_1ms: int = 50
+    fast_streams: int = 4  # unpaced streams at once in the relay scenario
+    fast_chunks: int = 2000  # text chunks per unpaced stream
     open_counts: list = field(default_factory=lambda: [5000, 10000])
     open_hold_s: float = 10.0
     open_gap_ms: float = 5000.0
@@ -392,6 +396,14 @@ def build(plan: Plan, upstream_url: str) -> list:
             lambda t: endpoints_run(t, secs),
             frozenset({KILN}),
             "more",
+        ),
+        Scenario(
+            "stream_fast",
+            f"stream {plan.fast_chunks}×0 ms, {plan.fast_streams} at once",
+            "relay",
+            lambda t: relay(t, plan.fast_streams, plan.fast_chunks, secs),
+            frozenset({DIRECT, KILN, FLOOR, LITELLM}),
+            f"c{ORGS_CONNS}",  # where the floor runs too: its ratio to Kiln is seconds apart
         ),
         Scenario(
             "stream_20ms",
