@@ -60,6 +60,7 @@ def _history(services, body):
 def _store(services, org_id, chat):
     """Return the flow's ``on_answer`` callback that keeps a completed response."""
     retention = timedelta(days=services.config.responses_retention_days)
+    writer = current_app.extensions["kiln.responses_writer"]
 
     def keep(gid, outcome, tail, renderer):
         if outcome.status not in KEPT:
@@ -68,7 +69,7 @@ def _store(services, org_id, chat):
             json.loads(tail, parse_float=Decimal)
         try:
             stored.save(services.engine, org_id, response, chat.input_items, retention,
-                        generation_id=gid)
+                        generation_id=gid, writer=writer)
         except Exception as exc:  # noqa: BLE001 - the answer is paid for: it leaves unstored
             # The class only: a database error's text quotes the statement's parameters, which
             # hold the customer's content (never logged; docs/RESPONSES.md).

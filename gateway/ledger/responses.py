@@ -15,10 +15,15 @@ from datetime import timedelta
 from decimal import Decimal
 
 import sqlalchemy as sa
+from gevent import Timeout
+from gevent.event import AsyncResult
+from gevent.queue import Queue
 
-from ..db import utcnow
+from ..background import Background
+from ..db import iso_utc, utcnow
 from ..errors import InvalidRequest, NotFound
 from ..models import stored_responses as t
+from .worker import refused_for_its_data, take_batch
 
 DEFAULT_RETENTION = timedelta(days=30)
 MAX_CHAIN = 10_000  # links followed at most (a chain is acyclic by construction; a guard)
@@ -41,8 +46,9 @@ def _loads(text):
 
 
 def save(engine, org_id, response, input_items, retention=DEFAULT_RETENTION,
-         generation_id=None, now=None):
-    """Store ``response`` (a Response object, dict) and its request's ``input_items``.
+         generation_id=None, now=None, writer=None):
+    """Store ``response`` (a Response object, dict) and its request's ``input_items``; return
+    once the row is committed (a continuation sent right after the answer finds it).
 
     On Postgres the commit does not wait for its WAL flush (``synchronous_commit = off`` for
     this transaction): the row is visible to every session at once, as a continuation needs,
@@ -51,6 +57,8 @@ def save(engine, org_id, response, input_items, retention=DEFAULT_RETENTION,
     what storing added to an answer's latency (bench/RESULTS.md).
 
     :param retention: a ``timedelta``: the row expires that long after now.
+    :param writer: the worker's :class:`ResponseWriter` (Postgres), which writes the rows of
+        concurrent requests in one statement; without it the row is written alone.
     """
     now = now or utcnow()
     values = {"id": response["id"], "org_id": org_id, "generation_id": generation_id,
@@ -61,18 +69,83 @@ def save(engine, org_id, response, input_items, retention=DEFAULT_RETENTION,
     if engine.dialect.name != "postgresql":
         with engine.begin() as conn:
             conn.execute(t.insert().values(**values))
-        return
-    # One statement in its own transaction, one round trip: the setting is local to it.
+    elif writer is not None:
+        writer.write(values)
+    else:
+        _insert(engine, [values])
+
+
+def _insert(engine, rows):
+    """Write ``rows`` (column values) in one statement, its own transaction: one round trip,
+    the setting local to it."""
+    payload = json.dumps([{**row, "created_at": iso_utc(row["created_at"]),
+                           "expires_at": iso_utc(row["expires_at"])} for row in rows])
     with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-        conn.execute(_SAVE_ASYNC, values)
+        conn.execute(_SAVE_ASYNC, {"rows": payload})
 
 
 _SAVE_ASYNC = sa.text(
     "INSERT INTO stored_responses (id, org_id, generation_id, created_at, expires_at, model, "
     "previous_response_id, response, input_items) "
-    "SELECT :id, :org_id, :generation_id, :created_at, :expires_at, :model, "
-    ":previous_response_id, :response, :input_items "
-    "FROM (SELECT set_config('synchronous_commit', 'off', true)) AS async_commit")
+    "SELECT r.id, r.org_id, r.generation_id, r.created_at, r.expires_at, r.model, "
+    "r.previous_response_id, r.response, r.input_items "
+    "FROM (SELECT set_config('synchronous_commit', 'off', true)) AS async_commit "
+    "CROSS JOIN json_populate_recordset(NULL::stored_responses, CAST(:rows AS json)) AS r")
+
+
+class ResponseWriter:
+    """Writes one worker's stored responses in batches (Postgres): the rows queued while one
+    batch is written go together in the next, in one statement on one connection; each caller
+    waits for its own. At 64 connections a row each on its own connection took the read pool
+    past its size, and every connection opened beyond it was closed after one statement
+    (bench/RESULTS.md, "Stored responses in batches").
+
+    A batch the database refuses for its values is written again row by row, so that one bad
+    row is the only one lost (it raises to its caller; the answer leaves unstored).
+
+    :param engine: the engine of the worker's reads and writes outside the ledger.
+    :param timeout_s: the longest a caller waits for its row (then it raises).
+    """
+
+    def __init__(self, engine, timeout_s, background=None):
+        self.engine, self.timeout_s = engine, timeout_s
+        self._queue = Queue()
+        self._background = background or Background()
+
+    def write(self, values):
+        """Queue the row ``values`` and return once it is committed; raise what writing it
+        raised, or :class:`TimeoutError`."""
+        self._background.spawn("responses.writer", self._run)
+        done = AsyncResult()
+        self._queue.put((values, done))
+        try:
+            done.get(timeout=self.timeout_s)
+        except Timeout as err:
+            raise TimeoutError("the stored response was not written in time") from err
+
+    def _run(self):
+        while True:
+            batch = take_batch(self._queue, self._queue.get())
+            try:
+                _insert(self.engine, [values for values, _ in batch])
+            except Exception as err:  # noqa: BLE001 - handed to the callers
+                if len(batch) > 1 and refused_for_its_data(err):
+                    self._one_by_one(batch)
+                else:
+                    for _, done in batch:
+                        done.set_exception(err)
+                continue
+            for _, done in batch:
+                done.set(None)
+
+    def _one_by_one(self, batch):
+        for values, done in batch:
+            try:
+                _insert(self.engine, [values])
+            except Exception as err:  # noqa: BLE001 - handed to its caller
+                done.set_exception(err)
+            else:
+                done.set(None)
 
 
 # The chain, newest first found, oldest first returned: one statement, compiled once.

@@ -48,7 +48,7 @@ def refused_for_its_data(err):
     return isinstance(err, (sa.exc.DataError, sa.exc.IntegrityError))
 
 
-def _take(queue, first):
+def take_batch(queue, first):
     """Return ``[first]`` and whatever else is queued now, up to :data:`MAX_BATCH`."""
     batch = [first]
     while len(batch) < MAX_BATCH:
@@ -92,7 +92,7 @@ class Admitter:
 
     def _run(self):
         while True:
-            batch = sorted(_take(self._queue, self._queue.get()),
+            batch = sorted(take_batch(self._queue, self._queue.get()),
                            key=lambda w: (w.request.org_id, w.request.gid))
             try:
                 rows = self.store.admit_batch([w.request for w in batch])
@@ -155,7 +155,7 @@ class SettlementWriter:
 
     def _write_forever(self):
         while True:
-            batch = _take(self._queue, self._queue.get())
+            batch = take_batch(self._queue, self._queue.get())
             self._write(batch)
             for settlement in batch:
                 self._outstanding.pop(settlement.gid, None)
