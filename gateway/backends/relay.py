@@ -229,6 +229,26 @@ class Pump:
             self.queue.put_nowait((FAILED, reason))
 
 
+def _with_queued(queue, data):
+    """``data`` and the reads queued behind it, joined: what the backend has sent by now goes
+    to the client in one write, not one per read (a read holds one HTTP chunk of the backend's
+    body, often one event: per-event writes cost a send and a pass through the server's write
+    path each, bench/RESULTS.md). Stops at the stream's end or failure, left queued."""
+    parts = None
+    while True:
+        try:
+            kind, more = queue.peek_nowait()
+        except Empty:
+            break
+        if kind is not DATA:
+            break
+        queue.get_nowait()
+        if parts is None:
+            parts = [data]
+        parts.append(more)
+    return data if parts is None else b"".join(parts)
+
+
 def relay_stream(pump, apply, tick, keepalive_s, idle_s, max_event_bytes, keepalive=KEEPALIVE):
     """Yield the client's bytes for a backend's event stream until it ends.
 
@@ -266,7 +286,7 @@ def relay_stream(pump, apply, tick, keepalive_s, idle_s, max_event_bytes, keepal
             raise data
         last_data = time.monotonic()
         try:
-            out, stop = apply(splitter.feed(data))
+            out, stop = apply(splitter.feed(_with_queued(pump.queue, data)))
         except EventTooLarge as err:
             raise StreamFailed(str(err), kind="too_large") from err
         if out:
