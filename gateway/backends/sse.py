@@ -16,12 +16,17 @@ every other field keeps its exact bytes; the rules that decide what to change ar
 """
 import json
 
+import orjson
+
 DONE = b"[DONE]"
 BOM = b"\xef\xbb\xbf"  # UTF-8 byte-order mark: one, at the very start, is not the stream's
 MESSAGE, ERROR = b"message", b"error"
 KEEPALIVE = b": keepalive\n\n"
 _COST_MARK = "\x00kiln-cost\x00"
 _DECODER = json.JSONDecoder()
+# A run of 20 digits, found by mapping every digit to "0" (a C pass, unlike a regex's scan).
+_DIGITS_AS_ZERO = bytes.maketrans(b"123456789", b"000000000")
+_TWENTY_DIGITS = b"0" * 20
 _WS = b" \t\r\n"
 
 
@@ -98,6 +103,26 @@ class EventSplitter:
     def pending(self):
         """Bytes of an unfinished event (non-empty when a stream was cut mid-event)."""
         return (bytes(self._head or b"") + bytes(self._buf)).strip()
+
+
+def loads(payload):
+    """The JSON value of a backend's ``payload`` (bytes: one event's data or a whole reply;
+    text is read by the standard library).
+
+    orjson parses a chunk about five times faster than the standard library (bench/RESULTS.md);
+    what it refuses and the standard library reads (``NaN``, ``Infinity``, text not in UTF-8),
+    and a payload with a run of 20 digits (orjson reads an integer past 64 bits as a float, the
+    standard library as the integer it is), are read by the standard library, so that Kiln
+    reads every payload as before.
+
+    :raises ValueError: not JSON.
+    """
+    if isinstance(payload, bytes) and _TWENTY_DIGITS not in payload.translate(_DIGITS_AS_ZERO):
+        try:
+            return orjson.loads(payload)
+        except orjson.JSONDecodeError:
+            pass
+    return json.loads(payload)
 
 
 def unfinished_payload(pending):

@@ -9,12 +9,12 @@ Nothing here touches the ledger.
 """
 import base64
 import binascii
-import json
 from dataclasses import dataclass
 
 import gevent
 
 from ..backends.relay import StreamFailed, relay_stream
+from ..backends.sse import loads
 from ..errors import UpstreamError
 from .outcomes import check_complete
 from .rules import StreamRules, apply_to_completion
@@ -65,7 +65,7 @@ def _turn(large):
 
 def _parse_completion(raw):
     try:
-        obj = json.loads(raw)
+        obj = loads(raw)
     except ValueError as err:
         raise UpstreamError("The model backend sent a reply that is not JSON.") from err
     if not isinstance(obj, dict) or not isinstance(obj.get("choices"), list):
@@ -99,7 +99,7 @@ def _parse_embeddings(raw, expected):
     :raises UpstreamError: not a list of ``expected`` embeddings, indexed 0 to expected - 1.
     """
     try:
-        obj = json.loads(raw)
+        obj = loads(raw)
     except ValueError as err:
         raise UpstreamError("The model backend sent a reply that is not JSON.") from err
     data = obj.get("data") if isinstance(obj, dict) else None

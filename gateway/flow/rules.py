@@ -11,7 +11,7 @@ the chunks is its codec's (:mod:`gateway.dialects`).
 import json
 import re
 
-from ..backends.sse import DONE, ErrorEvent, dumps, without_member
+from ..backends.sse import DONE, ErrorEvent, dumps, loads, without_member
 from .metering import EchoSkip
 
 
@@ -148,11 +148,11 @@ def cut_at_stop(text, stops):
 class StreamRules:
     """Apply Kiln's rules to each backend data payload of a chat stream, counting it.
 
-    One ``json.loads`` per event; a chunk keeps its exact bytes unless Kiln changes it (a stop
-    cut, a dropped tool call, a usage member removed). Usage is Kiln's to tell: a usage-only
-    chunk is held (:attr:`usage_payload`) for the codec to write at the end with the billed usage;
-    a running
-    usage member on a chunk with choices is removed.
+    One JSON parse per event (:func:`gateway.backends.sse.loads`); a chunk keeps its exact
+    bytes unless Kiln changes it (a stop cut, a dropped tool call, a usage member removed).
+    Usage is Kiln's to tell: a usage-only chunk is held (:attr:`usage_payload`) for the codec to
+    write at the end with the billed usage; a running usage member on a chunk with choices is
+    removed.
 
     :param meter: :class:`gateway.flow.metering.Meter`; a chunk past its budget is not relayed and
         sets :attr:`cut`.
@@ -203,7 +203,7 @@ class StreamRules:
         if not payload.strip(b" \t\n"):
             return None  # an empty message event (a bare ``data`` line) carries no chunk
         try:
-            obj = json.loads(payload)
+            obj = loads(payload)
         except ValueError:
             obj = None
         if not isinstance(obj, dict):

@@ -385,3 +385,24 @@ def test_numbered_tool_calls_leave_byte_for_byte():
     numbered = [tool_fragment(0, "call_a", "f"), tool_fragment(0, arguments="{}"),
                 tool_fragment(1, "call_b", "g"), tool_fragment(1, arguments="{}")]
     assert [r.apply(p) for p in numbered] == [frame(p) for p in numbered]
+
+
+@pytest.mark.parametrize("payload", [
+    b'{"choices":[{"delta":{"content":"h\\u00e9"},"index":0}],"n":1.5e-3}',
+    b'{"logprob":NaN,"top":-Infinity}',           # Python's json reads them; orjson does not
+    b'{"id":123456789012345678901234567890}',     # past 64 bits
+    b'{"text":"\\ud800 lone surrogate"}',
+    '{"text":"caf\u00e9"}'.encode("utf-16"),      # not UTF-8
+])
+def test_loads_reads_every_payload_as_the_standard_library_does(payload):
+    import json
+    from gateway.backends.sse import loads
+    expected = json.loads(payload)
+    got = loads(payload)
+    assert json.dumps(got, sort_keys=True) == json.dumps(expected, sort_keys=True)
+
+
+def test_loads_refuses_what_is_not_json():
+    from gateway.backends.sse import loads
+    with pytest.raises(ValueError):
+        loads(b'{"a": ')
