@@ -288,6 +288,10 @@ def relay_stream(pump, apply, tick, keepalive_s, idle_s, max_event_bytes, keepal
         try:
             out, stop = apply(splitter.feed(_with_queued(pump.queue, data)))
         except EventTooLarge as err:
+            if err.events:  # the whole events before it are relayed (and billed) first
+                out, _ = apply(err.events)
+                if out:
+                    yield out
             raise StreamFailed(str(err), kind="too_large") from err
         if out:
             yield out

@@ -31,7 +31,12 @@ _WS = b" \t\r\n"
 
 
 class EventTooLarge(ValueError):
-    """An event grew past the splitter's limit before it ended."""
+    """An event grew past the splitter's limit before it ended. :attr:`events`: the complete
+    events' payloads that came before it in the same read (still the backend's to relay)."""
+
+    def __init__(self, message, events=()):
+        super().__init__(message)
+        self.events = events
 
 
 class ErrorEvent(bytes):
@@ -86,7 +91,7 @@ class EventSplitter:
             events = [p for p in map(_payload, head.split(b"\n\n")) if p is not None]
         if self.max_event_bytes is not None and len(self._buf) > self.max_event_bytes:
             raise EventTooLarge(f"The model backend sent an event longer than "
-                                f"{self.max_event_bytes} bytes.")
+                                f"{self.max_event_bytes} bytes.", events)
         return events
 
     def _strip_bom(self, data):

@@ -45,3 +45,13 @@ def test_a_failure_queued_behind_data_comes_after_that_data_is_written():
                                  1 << 20):
             out.append(item)
     assert out == [b"a"]
+
+
+def test_events_before_one_over_the_limit_are_relayed_before_the_stream_fails():
+    pump = pump_with((DATA, b"data: a\n\n"), (DATA, b"data: " + b"y" * 100))
+    out = []
+    with pytest.raises(StreamFailed) as failed:
+        for item in relay_stream(pump, lambda p: (b"".join(p), False), lambda: None, 10, 10,
+                                 50):
+            out.append(item)
+    assert out == [b"a"] and failed.value.kind == "too_large"
