@@ -87,14 +87,17 @@ def events(db, gids):
 
 def test_settlements_wait_out_a_stopped_database(cluster, db, catalog_path, fake):
     """20 streams finish while Postgres is stopped for 5 s: all are settled once it returns,
-    each with the usage its backend reported (12 prompt, 3 completion tokens)."""
+    each with the usage its backend reported (12 prompt, 3 completion tokens). The streams
+    end only once the database is down (the fake holds them until then), whatever the time
+    the cluster takes to stop."""
     gw = gateway_on(cluster, catalog_path)
     try:
         org = make_org(db, f"outage-{uuid.uuid4().hex[:8]}", limit=20)
         usage = make_usage(prompt=12, completion=3)
-        fake.default = lambda record: sse(
-            [chat_chunk("a"), chat_chunk("b"), chat_chunk("c", finish_reason="stop"),
-             chat_chunk(choices=False, usage=usage)], delay_s=1.0)
+        database_down = threading.Event()
+        first, *rest = sse([chat_chunk("a"), chat_chunk("b"), chat_chunk("c", finish_reason="stop"),
+                            chat_chunk(choices=False, usage=usage)])[1:]
+        fake.default = lambda record: [*sse([])[:1], first, Gate(database_down), *rest]
         results = []
 
         def stream():
@@ -107,6 +110,7 @@ def test_settlements_wait_out_a_stopped_database(cluster, db, catalog_path, fake
             t.start()
         wait_until(lambda: fake.active == 20, timeout_s=30)
         cluster.stop()  # the streams finish while the database is gone
+        database_down.set()
         for t in threads:
             t.join(60)
         assert len(results) == 20 and all(t.endswith("data: [DONE]\n\n") for _, t in results)
