@@ -8,8 +8,10 @@ seconds per request of admission (``kiln_admission_seconds``), of the backend ca
 batch; at one connection a batch is one request), set against wrk's mean latency. The same
 runs with metering off (``KILN_METERING=false``) and with the answer held until its settlement
 commits (``KILN_SETTLE_BEFORE_ANSWER=true``; by default it leaves first, docs/METERING.md),
-which shows what settling on the client's clock costs. Each mode also runs at 64 connections,
-where throughput is bounded by the machine's cores: the CPU milliseconds per request of Kiln's
+which shows what settling on the client's clock costs, and with the request sent to the backend
+while it is admitted (``KILN_EARLY_SEND=true``, docs/METERING.md). Each mode also runs at 64
+connections, where throughput is bounded by the machine's cores: the CPU milliseconds per
+request of Kiln's
 workers and of Postgres (from /proc) show which one spends them. Prints one table; compare
 within a run.
 
@@ -40,9 +42,10 @@ STAGES = {"admission": "kiln_admission_seconds", "backend call": "kiln_upstream_
 
 
 def measure(kiln: kt.KilnBench, mode: str, seconds: int) -> dict:
-    """Start Kiln in ``mode`` (metered, settle-first, nometer), run wrk at one connection, read
-    it."""
+    """Start Kiln in ``mode`` (metered, settle-first, early-send, nometer), run wrk at one
+    connection, read it."""
     kiln.env["KILN_SETTLE_BEFORE_ANSWER"] = "true" if mode == "settle-first" else "false"
+    kiln.env["KILN_EARLY_SEND"] = "true" if mode == "early-send" else "false"
     target = kiln.start(metering=mode != "nometer")
     try:
         sc.wrk_run(target, 1, 2)  # warm up, then start the histograms from here
@@ -97,7 +100,7 @@ def main() -> None:
     try:
         kiln = kt.KilnBench(upstream.base_url, workdir, sc.ORGS_CONNS)
         kiln.provision()
-        runs = {mode: [] for mode in ("nometer", "metered", "settle-first")}
+        runs = {mode: [] for mode in ("nometer", "metered", "settle-first", "early-send")}
         for _ in range(args.rounds):  # interleaved: the modes of one round are seconds apart
             for mode in runs:
                 runs[mode].append(measure(kiln, mode, args.seconds))
