@@ -46,7 +46,8 @@ class Exchange:
         self.oversized_bytes = None  # a reply over the bound: the bytes read of it
         self.reply_bytes = 0         # the size of the whole reply read
         self._build_body, self._stream = build_body, stream
-        self.watch = ClientWatch(sock) if stream else None
+        self._sock = sock
+        self.watch = None  # the client watch, from the stream's send on (a refusal needs none)
         self.call = self.pump = None
         self._early = None  # a whole reply's tries, sent before the flow asked (start)
         self._sent_at = None
@@ -123,6 +124,7 @@ class Exchange:
         """Send the request from its own greenlet (unless :meth:`start` did); a client that
         leaves meanwhile aborts it."""
         if self.call is None:
+            self.watch = ClientWatch(self._sock)
             self.call = UpstreamCall(self._open)
             self.watch.on_gone(self._client_gone)
 
