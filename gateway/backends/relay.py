@@ -15,7 +15,6 @@ import gevent
 from gevent.event import Event
 from gevent.monkey import get_original
 from gevent.queue import Empty, Queue
-from gevent.socket import wait_read
 from urllib3.exceptions import ReadTimeoutError
 
 from . import upstream
@@ -50,13 +49,23 @@ class StreamFailed(Exception):
 class ClientWatch:
     """Notice the client leaving while Kiln waits on the backend, not only at the next write.
 
-    Under gunicorn's gevent worker the client's socket is ``environ["gunicorn.socket"]``.
+    Under gunicorn's gevent worker the client's socket is ``environ["gunicorn.socket"]``. The
+    watch is an event-loop watcher on it, not a greenlet: a greenlet per open stream costs its
+    own stack and frame chunk (bench/RESULTS.md, bursts), a watcher a few hundred bytes. Its
+    callbacks run in the hub, so they only look (a poll with timeout 0) and hand the callbacks
+    of :meth:`on_gone`, which may block, to a greenlet of their own.
     """
+
+    RECHECK_S = 0.25  # bytes of a pipelined next request: look again this much later
 
     def __init__(self, sock):
         self.gone = Event()
         self._on_gone = []
-        self._greenlet = gevent.spawn(self._watch, sock) if sock is not None else None
+        self._sock = sock
+        self._watcher = None
+        if sock is not None:
+            self._loop = gevent.get_hub().loop
+            self._arm()
 
     def on_gone(self, callback):
         """Call ``callback()`` once the client is gone (at once if it already is)."""
@@ -65,22 +74,45 @@ class ClientWatch:
         else:
             self._on_gone.append(callback)
 
-    def _watch(self, sock):
+    def _arm(self):
+        self._close_watcher()
         try:
-            while True:
-                wait_read(sock.fileno())
-                if _peer_closed(sock):
-                    break
-                gevent.sleep(0.25)  # bytes of a pipelined next request: look again later
+            self._watcher = self._loop.io(self._sock.fileno(), 1)  # 1: readable
         except (OSError, ValueError):
-            pass  # reset, or the socket is already closed: the client is gone
+            return self._left()  # the socket is already closed: the client is gone
+        self._watcher.start(self._readable)
+
+    def _readable(self):  # in the hub: must not block
+        try:
+            closed = _peer_closed(self._sock)
+        except (OSError, ValueError):
+            closed = True  # reset, or the socket is already closed
+        if closed:
+            self._close_watcher()
+            self._left()
+        else:
+            self._close_watcher()
+            self._watcher = self._loop.timer(self.RECHECK_S)
+            self._watcher.start(self._arm)
+
+    def _left(self):
         self.gone.set()
+        if self._on_gone:
+            gevent.spawn(self._call_back)
+
+    def _call_back(self):
         for callback in self._on_gone:
             callback()
 
+    def _close_watcher(self):
+        if self._watcher is not None:
+            self._watcher.stop()
+            self._watcher.close()
+            self._watcher = None
+
     def stop(self):
-        if self._greenlet is not None:
-            self._greenlet.kill(block=False)
+        if self._sock is not None:
+            self._close_watcher()
 
 
 def guard_writes(body, sock, idle_s):
@@ -88,29 +120,33 @@ def guard_writes(body, sock, idle_s):
     the next one within ``idle_s`` seconds, its write is stuck behind a client that stopped
     reading: hang up on the client. The server's write then fails, it closes ``body`` (which
     settles the generation, billing what was generated), and the backend, no longer read,
-    stopped at the bounded queue meanwhile."""
+    stopped at the bounded queue meanwhile. The check is a repeating event-loop timer, not a
+    greenlet (see :class:`ClientWatch`)."""
     writing_since = []
-    watcher = gevent.spawn(_watch_writes, writing_since, sock, idle_s) if sock else None
+    timer = None
+    if sock is not None:
+        period = min(1.0, idle_s / 4)
+        timer = gevent.get_hub().loop.timer(period, period)
+        timer.start(_hang_up_if_stuck, writing_since, sock, idle_s, timer)
     try:
         for item in body:
             writing_since.append(time.monotonic())
             yield item
             writing_since.clear()
     finally:
-        if watcher is not None:
-            watcher.kill(block=False)
+        if timer is not None:
+            timer.stop()
+            timer.close()
         body.close()
 
 
-def _watch_writes(writing_since, sock, idle_s):
-    while True:
-        gevent.sleep(min(1.0, idle_s / 4))
-        if writing_since and time.monotonic() - writing_since[0] > idle_s:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            return
+def _hang_up_if_stuck(writing_since, sock, idle_s, timer):  # in the hub: must not block
+    if writing_since and time.monotonic() - writing_since[0] > idle_s:
+        timer.stop()
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
 
 
 def _peer_closed(sock):
