@@ -152,11 +152,11 @@ class Exchange:
         finally:
             self._observe_answer(self.call.sent_at)
 
-    def take(self, resp):
-        """Take the answer ``resp``: what the backend produces from now on is billed. Return the
-        :class:`~gateway.backends.relay.Pump` that reads its body."""
+    def take(self):
+        """Take the stream's answer (:meth:`answer`): what the backend produces from now on is
+        billed. Return the :class:`~gateway.backends.relay.Pump` that reads its body."""
         self.accepted = True
-        self.pump = Pump(resp, self.timeouts.idle_s)
+        self.pump = Pump(self.call, self.timeouts.idle_s)
         return self.pump
 
     def finish(self, keep_connection):

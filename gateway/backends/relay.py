@@ -12,7 +12,7 @@ import socket
 import time
 
 import gevent
-from gevent.event import Event
+from gevent.event import AsyncResult, Event
 from gevent.monkey import get_original
 from gevent.queue import Empty, Queue
 from urllib3.exceptions import ReadTimeoutError
@@ -159,7 +159,9 @@ def _peer_closed(sock):
 
 
 class UpstreamCall:
-    """One request to a backend, sent from its own greenlet and abortable from any other.
+    """One request to a backend, sent from its own greenlet and abortable from any other. A
+    stream's body is then read in that same greenlet (:class:`Pump`): one greenlet per open
+    stream on the backend side, not two (each costs its own stack, bench/RESULTS.md, bursts).
 
     :param open_response: ``() -> response``: sends the request (retrying on other backends,
         :meth:`gateway.backends.fleet.Route.open`) and returns the 2xx response once its status
@@ -170,28 +172,44 @@ class UpstreamCall:
         self.response = None
         self.sent_at = time.monotonic()
         self._aborted = False
-        self._greenlet = gevent.spawn(self._send, open_response)
+        self._answer = AsyncResult()
+        self._taken = Event()
+        self._read = None  # what reads the body, from the greenlet that sent the request
+        self.greenlet = gevent.spawn(self._send, open_response)
 
     def _send(self, open_response):
-        resp = open_response()
+        try:
+            resp = open_response()
+        except BaseException as err:
+            self._answer.set_exception(err)
+            if not isinstance(err, Exception):
+                raise  # killed (GreenletExit): the greenlet ends as killed
+            return
         self.response = resp
         if self._aborted:
             upstream.shutdown(resp)  # the abort came while the status line was on its way
-        return resp
+        self._answer.set(resp)
+        self._taken.wait()  # until the flow takes the answer (or closes the call: a kill)
+        self._read(resp)
+
+    def read_with(self, read):
+        """Read the answer's body with ``read(response)`` in the call's greenlet (once)."""
+        self._read = read
+        self._taken.set()
 
     @property
     def answered(self):
         """The backend answered (a 2xx response), or the call failed."""
-        return self._greenlet.ready()
+        return self._answer.ready()
 
     def result(self):
         """Return the 2xx response; raise the gateway error the call ended with."""
-        return self._greenlet.get()
+        return self._answer.get()
 
     def wait(self, timeout_s, gone):
         """Wait up to ``timeout_s`` for the answer; raise :class:`ClientGone` if ``gone`` is
         set first. Return whether the backend answered."""
-        gevent.wait([self._greenlet, gone], count=1, timeout=timeout_s)
+        gevent.wait([self._answer, gone], count=1, timeout=timeout_s)
         if gone.is_set():
             raise ClientGone()
         return self.answered
@@ -207,10 +225,10 @@ class UpstreamCall:
         if self._aborted:
             return
         self._aborted = True
-        if not self._greenlet.ready():
+        if not self.greenlet.ready():
             # Blocking kill: closing a response while a greenlet is inside its buffered read
             # fails ("reentrant call") and would leave the connection open.
-            self._greenlet.kill()
+            self.greenlet.kill()
         if self.response is not None:
             upstream.close(self.response) if complete else upstream.shutdown(self.response)
 
@@ -226,17 +244,19 @@ def keepalives_until_answered(call, gone, keepalive_s, keepalive=KEEPALIVE):
 
 
 class Pump:
-    """Reads a backend's body into a bounded queue in its own greenlet (content decoded).
+    """Reads a backend's body into a bounded queue (content decoded), in the greenlet of the
+    :class:`UpstreamCall` that sent the request.
 
     When the queue is full the pump waits, so a client that stops reading stops Kiln reading the
     backend: TCP back-pressure reaches the model server instead of memory growing here.
     """
 
-    def __init__(self, resp, idle_s):
+    def __init__(self, call, idle_s):
         self.idle_s = idle_s  # what the socket's read timeout is, for the message
         self.queue = Queue(maxsize=QUEUE_CHUNKS)
         self.complete = False  # the body was read to its end
-        self._greenlet = gevent.spawn(self._run, resp)
+        self._greenlet = call.greenlet
+        call.read_with(self._run)
 
     def _run(self, resp):
         try:

@@ -151,15 +151,15 @@ def stream(gen, exchange, request, renderer):
     exchange.send()
     answered = exchange.wait(config.keepalive_s)
     if answered:
-        resp = exchange.answer()
+        exchange.answer()
     yield Head(200, renderer.content_type, STREAM_HEADERS)
     # The headers leave now (the server writes them with the first body item), with what the
     # dialect sends at once (Anthropic's message_start, the Responses API's response.created).
     yield renderer.head()
     if not answered:
         yield from exchange.keepalives(config.keepalive_s, renderer.keepalive)
-        resp = exchange.answer()
-    pump = exchange.take(resp)
+        exchange.answer()
+    pump = exchange.take()
     rules = StreamRules(gen.meter, request.stop, request.single_tool_call,
                         getattr(request, "echoed", None))
     with exchange.spans.span("kiln.stream"):  # the first token is an event of it

@@ -58,6 +58,9 @@ class EchoSkip:
         return "", text
 
 
+PIECES_PER_PART = 64  # a stream's pieces of text joined into one kept string (Meter._keep)
+
+
 class Meter:
     """Counts a generation as it is relayed, and keeps it within its budget.
 
@@ -72,7 +75,8 @@ class Meter:
         self.deltas = 0          # deltas with generated text relayed (each ≥ 1 token)
         self.floor = 0           # tokens relayed at least: Σ max(1, ⌈delta bytes / 64⌉)
         self.bytes = 0           # UTF-8 bytes of the generated text relayed
-        self.parts = []          # the generated text, in pieces
+        self.parts = []          # the generated text: joined runs of PIECES_PER_PART pieces
+        self._recent = []        # ... and the pieces after the last run
         self.reported = None     # the last usage object the backend sent (running or final)
         self.finished = set()    # choice indexes that carried a finish_reason
         self.cut = False         # Kiln stopped the generation at its budget
@@ -114,7 +118,7 @@ class Meter:
         self.deltas += deltas
         self.floor += floor
         self.bytes += size
-        self.parts.extend(pieces)
+        self._keep(pieces)
         for choice in choices:
             if isinstance(choice, dict) and choice.get("finish_reason"):
                 self.finished.add(choice.get("index", 0))
@@ -126,7 +130,7 @@ class Meter:
         choices = choices if isinstance(choices, list) else ()
         per_choice = [self._pieces(choice, "message") for choice in choices]
         for texts in per_choice:
-            self.parts.extend(texts)
+            self._keep(texts)
             self.deltas += 1 if any(texts) else 0
         floor, size = _floor(per_choice)
         self.floor += floor
@@ -136,7 +140,18 @@ class Meter:
 
     def text(self):
         """Return everything generated so far as one string."""
-        return "".join(self.parts)
+        return "".join(self.parts) + "".join(self._recent)
+
+    def _keep(self, pieces):
+        """Keep ``pieces`` (strings) for :meth:`text`. A stream's deltas are a token or two
+        each, and a string object costs about 50 bytes beyond its text: every
+        :data:`PIECES_PER_PART` pieces are joined into one, so that an open stream's text costs
+        about its own size (bench/RESULTS.md, bursts)."""
+        recent = self._recent
+        recent.extend(pieces)
+        if len(recent) >= PIECES_PER_PART:
+            self.parts.append("".join(recent))
+            recent.clear()
 
     def _pieces(self, choice, field):
         """The generated strings of one choice: a chat choice's ``delta`` or ``message``
