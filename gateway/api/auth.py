@@ -139,7 +139,8 @@ def authenticate():
     if not header and request.headers.get("x-api-key"):  # Anthropic's clients send this
         scheme, key = "bearer", request.headers["x-api-key"].strip()
     if scheme.lower() != "bearer" or not key:
-        raise Unauthorized("Missing API key: send 'Authorization: Bearer <key>'.")
+        raise Unauthorized("Missing API key: send 'Authorization: Bearer <key>' "
+                           "(or 'x-api-key: <key>', as Anthropic's clients do).")
     principal = _cached_lookup(key) if _KEY_SHAPE.fullmatch(key) else None
     if principal is None:
         raise Unauthorized("Incorrect API key provided.")

@@ -9,6 +9,7 @@ from decimal import Decimal
 
 import anthropic
 import pytest
+import requests
 
 from factories import fake_model_nanos
 from fake_upstream import Gate, chat_chunk, chat_completion, error_reply, json_reply, \
@@ -110,6 +111,19 @@ def test_400_is_a_bad_request_error(gateway, fake, org, engine):
 def test_401_is_an_authentication_error(gateway, fake):
     expect_error(gateway, "kiln-nope", anthropic.AuthenticationError, 401,
                  "authentication_error", "invalid_api_key")
+    assert fake.requests == []
+
+
+def test_a_request_without_a_key_is_told_both_headers(gateway, fake):
+    """Anthropic's clients send ``x-api-key``, OpenAI's ``Authorization: Bearer``: the 401 of a
+    request with neither names both."""
+    r = requests.post(gateway.base_url + "/v1/messages", timeout=10,
+                      json={"model": "fake-model", "max_tokens": 5,
+                            "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 401
+    error = r.json()["error"]
+    assert error["type"] == "authentication_error"
+    assert "x-api-key" in error["message"] and "Authorization: Bearer" in error["message"]
     assert fake.requests == []
 
 
