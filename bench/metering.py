@@ -9,9 +9,8 @@ One run, side by side, against the fast fake upstream (``bench/fake_openai.py``,
   costs), and with metering off (``KILN_METERING=false``: no lease, no hold, no usage event;
   for benchmarks only), for non-stream requests and short streams, in interleaved rounds (the
   machine is shared: compare ratios, not absolute numbers);
-* database round trips per request with metering on: SQL statements counted by a SQLAlchemy
-  ``before_cursor_execute`` hook, and wire round trips (every request/response exchange with the
-  server, BEGIN/COMMIT and pool pings included) counted from libpq's protocol trace, in an
+* database statements, round trips and transactions per request with metering on and off,
+  counted from libpq's protocol trace of every connection (the ledger's included), in an
   in-process harness (Flask test client under gevent) with the key and maintenance caches warm.
 
 Needs Postgres at 127.0.0.1:5432 (user postgres, trust) and ``wrk``; makes and drops its own
@@ -301,46 +300,53 @@ def count_round_trips(db_url, models_path, key, n, metering):
             "metering": metering,
         }
     )
-    engine = app.extensions["kiln.engine"]
-    counts = {"statements": 0, "transactions": 0}
+    # Every engine the app talks to Postgres through: its own, and the ledger's, whose
+    # admissions and settlements go through raw DBAPI connections (no SQLAlchemy cursor events):
+    # everything is counted from libpq's protocol trace of each connection.
+    services = app.extensions["kiln"]
+    ledger_store = getattr(services.ledger, "store", None)
+    engines = [app.extensions["kiln.engine"]] + ([ledger_store.engine] if ledger_store else [])
     traces = []
 
-    @sa.event.listens_for(engine, "before_cursor_execute")
-    def _statement(*_args):
-        counts["statements"] += 1
-
-    @sa.event.listens_for(engine, "commit")
-    def _commit(_conn):
-        counts["transactions"] += 1
-
-    @sa.event.listens_for(engine, "connect")
     def _trace(dbapi_conn, _record):
         trace = tempfile.TemporaryFile()
         dbapi_conn.pgconn.trace(trace.fileno())
         traces.append(trace)
 
-    engine.dispose()  # connections made from now on are traced
+    for engine in engines:
+        sa.event.listen(engine, "connect", _trace)
+        engine.dispose()  # connections made from now on are traced
     client = app.test_client()
     headers = {"Authorization": f"Bearer {key}"}
     results = {}
     for mode, body in MODES.items():
         assert client.post("/v1/chat/completions", json=body, headers=headers).status_code == 200
-        before = counts | {"round_trips": _ready_for_query(traces)}
+        services.ledger.drain(30)
+        before = _wire_counts(traces)
         for _ in range(n):
             resp = client.post("/v1/chat/completions", json=body, headers=headers)
             assert resp.status_code == 200, resp.data
             resp.get_data()
-        after = counts | {"round_trips": _ready_for_query(traces)}
+        services.ledger.drain(30)  # the settlements are written after the answers
+        after = _wire_counts(traces)
         results[mode] = {k: (after[k] - before[k]) / n for k in after}
     return results
 
 
-def _ready_for_query(traces):
-    """Count the server's ReadyForQuery messages: one per client/server round trip."""
-    total = 0
+def _wire_counts(traces):
+    """Count, over every traced connection: ``statements`` (the client's Query and Execute
+    messages), ``round_trips`` (the server's ReadyForQuery, one per exchange) and
+    ``transactions`` (ReadyForQuery with status idle: each ends one, explicit or implicit;
+    PostgreSQL manual, "Message Formats")."""
+    total = {"statements": 0, "round_trips": 0, "transactions": 0}
     for trace in traces:
         trace.seek(0)
-        total += sum(1 for line in trace.read().split(b"\n") if b"\tReadyForQuery" in line)
+        for line in trace.read().split(b"\n"):
+            if b"\tReadyForQuery\t" in line:
+                total["round_trips"] += 1
+                total["transactions"] += line.rstrip().endswith(b"I")
+            elif line.startswith(b"F\t") or b"\tF\t" in line[:40]:
+                total["statements"] += b"\tQuery\t" in line or b"\tExecute\t" in line
     return total
 
 
@@ -454,9 +460,9 @@ def report(args, cells, trips, probe):
                          f"{db['round_trips']:>12.2f}{db['transactions']:>6.2f}")
     lines += ["",
               f"DB columns: measured in-process (Flask test client under gevent), {args.requests} "
-              "requests per mode, key and maintenance caches warm; SQL statements from a "
-              "before_cursor_execute hook, round trips from libpq's protocol trace (pool "
-              "pings included).",
+              "requests per mode, key and maintenance caches warm, every settlement written; "
+              "statements, round trips and transactions from libpq's protocol trace of every "
+              "connection (pool pings included).",
               f"This Postgres: a bare round trip (SELECT 1) {probe[0]:.3f} ms; a durable one-row "
               f"commit {probe[1]:.3f} ms (WAL flush). Admission and settlement of one org both "
               "update its balance row, whose lock is held until the commit is flushed: one "
