@@ -43,3 +43,17 @@ def test_a_total_below_the_parts_bills_the_parts():
     """A total that is too small contradicts nothing that would lower the bill: the parts stand."""
     usage = reconcile({"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 3})
     assert (usage.prompt, usage.completion, usage.contradicted) == (10, 5, False)
+
+
+def test_a_long_streams_text_is_kept_whole_and_in_order():
+    """The meter joins its pieces in runs (``PIECES_PER_PART``): what it hands the tokenizer is
+    still every delta of every choice, in the order relayed."""
+    from gateway.flow.metering import PIECES_PER_PART
+    meter = Meter(10_000)
+    expected = []
+    for i in range(PIECES_PER_PART * 3 + 5):
+        piece = f"t{i} "
+        assert meter.admit_chunk({"choices": [{"index": 0, "delta": {"content": piece}}]})
+        expected.append(piece)
+    assert meter.text() == "".join(expected)
+    assert len(meter.parts) == 3  # the joined runs; the last five pieces wait for the next run
