@@ -59,7 +59,11 @@ def post(session, url, payload, timeouts_s, api_key=None, headers=None):
         prepared.headers["Authorization"] = "Bearer " + api_key
     if headers:
         prepared.headers.update(headers)
-    return session.get_adapter(url).send(prepared, stream=True, timeout=timeouts_s)
+    resp = session.get_adapter(url).send(prepared, stream=True, timeout=timeouts_s)
+    # The request sent (its body, the prompt, and a headers dict) is not kept for the life of
+    # the answer: a stream can stay open for minutes (bench/RESULTS.md, bursts).
+    resp.request = None
+    return resp
 
 
 def encode_body(body):

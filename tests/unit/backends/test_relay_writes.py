@@ -55,3 +55,52 @@ def test_events_before_one_over_the_limit_are_relayed_before_the_stream_fails():
                                  50):
             out.append(item)
     assert out == [b"a"] and failed.value.kind == "too_large"
+
+
+# -- the bounded queue between the pump and the relay ------------------------------------------
+
+def test_chunks_are_first_in_first_out_and_the_writer_waits_at_the_bound():
+    import gevent
+    from gateway.backends.relay import Chunks
+    chunks = Chunks(2)
+    written = []
+
+    def writer():
+        for i in range(5):
+            chunks.put(i)
+            written.append(i)
+    g = gevent.spawn(writer)
+    gevent.sleep(0.01)
+    assert written == [0, 1]  # the third put waits for a read
+    assert [chunks.get(timeout=1) for _ in range(5)] == [0, 1, 2, 3, 4]
+    g.join(1)
+    assert written == [0, 1, 2, 3, 4] and chunks.empty()
+
+
+def test_a_chunks_reader_waits_for_a_put_and_times_out_on_silence():
+    import time
+
+    import gevent
+    from gevent.queue import Empty
+
+    from gateway.backends.relay import Chunks
+    chunks = Chunks(8)
+    gevent.spawn_later(0.05, chunks.put, b"late")
+    assert chunks.get(timeout=2) == b"late"
+    started = time.monotonic()
+    with pytest.raises(Empty):
+        chunks.get(timeout=0.05)
+    assert time.monotonic() - started >= 0.04
+    with pytest.raises(Empty):
+        chunks.peek_nowait()
+    chunks.put_nowait((EOF, None))
+    assert chunks.peek_nowait() == (EOF, None) and chunks.get_nowait() == (EOF, None)
+
+
+def test_the_relay_reads_a_real_pump_queue():
+    from gateway.backends.relay import Chunks
+    queue = Chunks(8)
+    for item in ((DATA, b"data: a\n\n"), (DATA, b"data: b\n\n"), (EOF, None)):
+        queue.put(item)
+    writes, applied = relay(SimpleNamespace(queue=queue))
+    assert writes == [b"<a><b>"] and applied == [[b"a", b"b"]]
