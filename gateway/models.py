@@ -5,6 +5,10 @@ both add it exactly; ``credit_grants.amount_usd`` is NUMERIC so an operator can 
 SQL, and its trigger converts. Invariant per org at a quiet moment:
 ``balance_nanos = Σ grants − Σ usage_events.cost_nanos``, ``held_nanos = 0``, ``in_flight = 0``.
 """
+import re
+import secrets
+import time
+
 import sqlalchemy as sa
 
 from .endings import Status
@@ -212,6 +216,22 @@ stored_responses = sa.Table(
     sa.Index("ix_stored_responses_org_created", "org_id", "created_at"),
     sa.Index("ix_stored_responses_expires", "expires_at"),
 )
+_RESPONSE_ID = re.compile(r"resp_[0-9a-f]{48}")
+
+
+def new_response_id(now=None):
+    """Return a fresh ``stored_responses.id``: ``resp_`` and 48 hex digits, as OpenAI's are,
+    the first 8 the creation time in Unix seconds (as OpenAI's also read), the other 40 random.
+    The time lets a reader tell a row not written yet from an unknown one
+    (:func:`gateway.ledger.responses.written`)."""
+    return f"resp_{int(now or time.time()) & 0xFFFFFFFF:08x}{secrets.token_hex(20)}"
+
+
+def response_id_created_at(response_id):
+    """The Unix second a :func:`new_response_id` id was made in, or None for another shape."""
+    if not isinstance(response_id, str) or not _RESPONSE_ID.fullmatch(response_id):
+        return None
+    return int(response_id[5:13], 16)
 
 # Webhooks (docs/WEBHOOKS.md): per org, a URL, its Standard Webhooks secret (``whsec_`` +
 # base64; Postgres generates one when an INSERT gives none) and the events it wants

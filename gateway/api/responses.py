@@ -4,7 +4,8 @@ chat), and the org's stored responses: ``GET`` and ``DELETE /v1/responses/{id}``
 
 A request with ``previous_response_id`` carries that chain's items (the org's own only: another
 org's id is a 404), which are metered and held for like any input. A response is stored, when
-``store`` asks for it, before its last bytes leave, so that the next request can continue it.
+``store`` asks for it, once it is complete; its row is written after its last bytes leave, and
+a request naming it before then waits for it (:func:`gateway.ledger.responses.written`).
 """
 import json
 import logging
@@ -54,13 +55,15 @@ def _history(services, body):
     if not isinstance(previous, str) or not previous:
         raise InvalidRequest("Invalid 'previous_response_id': expected a response id.",
                              param="previous_response_id", code="invalid_value")
-    return stored.load_chain(services.engine, g.principal.org_id, previous)
+    org_id = g.principal.org_id
+    return stored.written(lambda: stored.load_chain(services.engine, org_id, previous),
+                          services.engine, previous, _writer())
 
 
 def _store(services, org_id, chat):
     """Return the flow's ``on_answer`` callback that keeps a completed response."""
     retention = timedelta(days=services.config.responses_retention_days)
-    writer = current_app.extensions["kiln.responses_writer"]
+    writer = _writer()
 
     def keep(gid, outcome, tail, renderer):
         if outcome.status not in KEPT:
@@ -82,14 +85,18 @@ def _store(services, org_id, chat):
 @require_key
 def get_response(response_id):
     """Return one of the org's stored responses."""
-    return _json(stored.get(_engine(), g.principal.org_id, response_id))
+    org_id = g.principal.org_id
+    return _json(stored.written(lambda: stored.get(_engine(), org_id, response_id),
+                                _engine(), response_id, _writer()))
 
 
 @bp.delete("/responses/<response_id>")
 @require_key
 def delete_response(response_id):
     """Delete one of the org's stored responses."""
-    return _json(stored.delete(_engine(), g.principal.org_id, response_id))
+    org_id = g.principal.org_id
+    return _json(stored.written(lambda: stored.delete(_engine(), org_id, response_id),
+                                _engine(), response_id, _writer()))
 
 
 @bp.get("/responses/<response_id>/input_items")
@@ -101,9 +108,11 @@ def list_input_items(response_id):
     if not limit.isdigit():
         raise InvalidRequest("Invalid 'limit': expected an integer from 1 to 100.",
                              param="limit", code="invalid_value")
-    return _json(stored.input_items(_engine(), g.principal.org_id, response_id,
-                                    after=args.get("after"), limit=int(limit),
-                                    order=args.get("order", "desc")))
+    org_id = g.principal.org_id
+    return _json(stored.written(
+        lambda: stored.input_items(_engine(), org_id, response_id, after=args.get("after"),
+                                   limit=int(limit), order=args.get("order", "desc")),
+        _engine(), response_id, _writer()))
 
 
 def _json(obj):
@@ -114,3 +123,7 @@ def _json(obj):
 
 def _engine():
     return current_app.extensions["kiln.engine"]
+
+
+def _writer():
+    return current_app.extensions["kiln.responses_writer"]

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from ..contract.validation import ChatRequest, require_string, validate_chat
 from ..errors import InvalidRequest, UnknownParameter, UnsupportedParameter
+from ..models import new_response_id
 
 REWRITE, DROP, REFUSE = "rewritten", "dropped", "refused"
 # What Kiln does with each field of the Responses reference (docs/RESPONSES.md).
@@ -149,7 +150,7 @@ def parse(body, catalog, body_bytes, history=None, store_default=True):
     if previous is not None:
         require_string(previous, "previous_response_id")
     return ResponsesRequest(
-        **vars(checked), response_id=new_id("resp_"), created_at=int(time.time()),
+        **vars(checked), response_id=new_response_id(), created_at=int(time.time()),
         echo=_echo(body, tools, choice), dropped_tools=dropped, input_items=b.stored,
         store=store, previous_response_id=previous)
 

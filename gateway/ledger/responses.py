@@ -10,10 +10,13 @@ expired one are the same 404. Stored content is the customer's data: nothing her
 May import only ``gateway.ledger`` and the shared modules (models, db, errors, config).
 """
 import json
+import logging
 import re
+import time
 from datetime import timedelta
 from decimal import Decimal
 
+import gevent
 import sqlalchemy as sa
 from gevent import Timeout
 from gevent.event import AsyncResult
@@ -22,10 +25,14 @@ from gevent.queue import Queue
 from ..background import Background
 from ..db import iso_utc, utcnow
 from ..errors import InvalidRequest, NotFound
-from ..models import stored_responses as t
+from ..models import response_id_created_at, stored_responses as t
 from .worker import refused_for_its_data, take_batch
 
+log = logging.getLogger(__name__)
+
 DEFAULT_RETENTION = timedelta(days=30)
+WRITE_WINDOW_S = 10.0  # a response's row is looked for again until this long after its id
+RECHECK_S = 0.02       # ... this often (a row another worker or host writes)
 MAX_CHAIN = 10_000  # links followed at most (a chain is acyclic by construction; a guard)
 LIST_LIMITS = (1, 100)
 _DECIMAL = re.compile(r'"\\u0000dec:([0-9eE+.\-]+)\\u0000"')
@@ -47,32 +54,34 @@ def _loads(text):
 
 def save(engine, org_id, response, input_items, retention=DEFAULT_RETENTION,
          generation_id=None, now=None, writer=None):
-    """Store ``response`` (a Response object, dict) and its request's ``input_items``; return
-    once the row is committed (a continuation sent right after the answer finds it).
+    """Store ``response`` (a Response object, dict) and its request's ``input_items``.
 
-    On Postgres the commit does not wait for its WAL flush (``synchronous_commit = off`` for
-    this transaction): the row is visible to every session at once, as a continuation needs,
-    and a database crash can lose the last fraction of a second of stored responses (never
-    money: the usage event is the settlement's, committed durably). That flush was most of
-    what storing added to an answer's latency (bench/RESULTS.md).
+    With the worker's ``writer`` (:class:`ResponseWriter`, Postgres) the row is queued and this
+    returns at once: the answer's last bytes do not wait for it (bench/RESULTS.md, "Stored
+    responses off the answer's clock"); a request that names the response before its row is
+    committed waits for it (:func:`written`). The writer commits without waiting for the WAL
+    flush (``synchronous_commit = off`` for its transaction): the row is visible to every
+    session at once, and a database crash, like a worker's, can lose the last fraction of a
+    second of stored responses (never money: the usage event is the settlement's, committed
+    durably). Without a writer (SQLite) the row is committed before this returns.
 
     :param retention: a ``timedelta``: the row expires that long after now.
-    :param writer: the worker's :class:`ResponseWriter` (Postgres), which writes the rows of
-        concurrent requests in one statement; without it the row is written alone.
     """
     now = now or utcnow()
-    values = {"id": response["id"], "org_id": org_id, "generation_id": generation_id,
-              "created_at": now, "expires_at": now + retention,
-              "model": response.get("model") or "",
-              "previous_response_id": response.get("previous_response_id"),
-              "response": dumps(response), "input_items": dumps(input_items)}
+
+    def values():
+        return {"id": response["id"], "org_id": org_id, "generation_id": generation_id,
+                "created_at": now, "expires_at": now + retention,
+                "model": response.get("model") or "",
+                "previous_response_id": response.get("previous_response_id"),
+                "response": dumps(response), "input_items": dumps(input_items)}
     if engine.dialect.name != "postgresql":
         with engine.begin() as conn:
-            conn.execute(t.insert().values(**values))
+            conn.execute(t.insert().values(**values()))
     elif writer is not None:
-        writer.write(values)
+        writer.queue(response["id"], values)
     else:
-        _insert(engine, [values])
+        _insert(engine, [values()])
 
 
 def _insert(engine, rows):
@@ -94,58 +103,129 @@ _SAVE_ASYNC = sa.text(
 
 
 class ResponseWriter:
-    """Writes one worker's stored responses in batches (Postgres): the rows queued while one
-    batch is written go together in the next, in one statement on one connection; each caller
-    waits for its own. At 64 connections a row each on its own connection took the read pool
-    past its size, and every connection opened beyond it was closed after one statement
+    """Writes one worker's stored responses in batches (Postgres), off the answers' clock: the
+    rows queued while one batch is written go together in the next, in one statement on one
+    connection. At 64 connections a row each on its own connection took the read pool past its
+    size, and every connection opened beyond it was closed after one statement
     (bench/RESULTS.md, "Stored responses in batches").
 
     A batch the database refuses for its values is written again row by row, so that one bad
-    row is the only one lost (it raises to its caller; the answer leaves unstored).
+    row is the only one lost (logged by its id and the error's class: a database error's text
+    quotes the row, the customer's content; docs/RESPONSES.md).
 
     :param engine: the engine of the worker's reads and writes outside the ledger.
-    :param timeout_s: the longest a caller waits for its row (then it raises).
+    :param timeout_s: the longest a reader waits for a row this worker has queued.
     """
 
     def __init__(self, engine, timeout_s, background=None):
         self.engine, self.timeout_s = engine, timeout_s
         self._queue = Queue()
+        self._pending = {}  # response id -> AsyncResult, set once its row is written or lost
         self._background = background or Background()
 
-    def write(self, values):
-        """Queue the row ``values`` and return once it is committed; raise what writing it
-        raised, or :class:`TimeoutError`."""
+    def queue(self, response_id, values):
+        """Queue the row of ``response_id``, ``values() -> column values`` (the JSON text is
+        made in the writer, not on the answer's clock); return at once."""
         self._background.spawn("responses.writer", self._run)
-        done = AsyncResult()
-        self._queue.put((values, done))
-        try:
-            done.get(timeout=self.timeout_s)
-        except Timeout as err:
-            raise TimeoutError("the stored response was not written in time") from err
+        done = self._pending[response_id] = AsyncResult()
+        self._queue.put((response_id, values, done))
+
+    def wait(self, response_id):
+        """Wait (up to ``timeout_s``) for this worker's queued row of ``response_id``; return
+        whether there was one."""
+        done = self._pending.get(response_id)
+        if done is None:
+            return False
+        done.wait(self.timeout_s)
+        return True
+
+    def drain(self, timeout_s):
+        """Wait up to ``timeout_s`` for every queued row (graceful shutdown); return whether
+        none is left."""
+        with Timeout(timeout_s, False):
+            while self._pending:
+                next(iter(self._pending.values())).wait()
+        return not self._pending
 
     def _run(self):
         while True:
-            batch = take_batch(self._queue, self._queue.get())
+            batch = self._rows(take_batch(self._queue, self._queue.get()))
             try:
-                _insert(self.engine, [values for values, _ in batch])
-            except Exception as err:  # noqa: BLE001 - handed to the callers
+                if batch:
+                    _insert(self.engine, [values for _, values, _ in batch])
+            except Exception as err:  # noqa: BLE001 - logged per row below
                 if len(batch) > 1 and refused_for_its_data(err):
                     self._one_by_one(batch)
                 else:
-                    for _, done in batch:
-                        done.set_exception(err)
+                    for response_id, _, done in batch:
+                        self._lost(response_id, done, err)
                 continue
-            for _, done in batch:
-                done.set(None)
+            for response_id, _, done in batch:
+                self._written(response_id, done)
+
+    def _rows(self, queued):
+        """``(id, column values, done)`` of each queued row whose values could be made."""
+        rows = []
+        for response_id, values, done in queued:
+            try:
+                rows.append((response_id, values(), done))
+            except Exception as err:  # noqa: BLE001 - that row only
+                self._lost(response_id, done, err)
+        return rows
 
     def _one_by_one(self, batch):
-        for values, done in batch:
+        for response_id, values, done in batch:
             try:
                 _insert(self.engine, [values])
-            except Exception as err:  # noqa: BLE001 - handed to its caller
-                done.set_exception(err)
+            except Exception as err:  # noqa: BLE001 - that row only
+                self._lost(response_id, done, err)
             else:
-                done.set(None)
+                self._written(response_id, done)
+
+    def _written(self, response_id, done):
+        self._pending.pop(response_id, None)
+        done.set(True)
+
+    def _lost(self, response_id, done, err):
+        log.error("stored response %s not saved: %s", response_id, type(err).__name__)
+        self._pending.pop(response_id, None)
+        done.set(False)
+
+
+def written(read, engine, response_id, writer=None, now=None):
+    """Return ``read()``; when it raises :class:`NotFound` for a response created moments ago
+    (its id tells when: :func:`gateway.models.response_id_created_at`) that has no row at all,
+    wait for its row and read again. A response's row is written after its answer has left
+    (:class:`ResponseWriter`), by whichever worker or host served it: this worker's queued
+    rows are waited for directly, another's are looked for again every :data:`RECHECK_S` until
+    :data:`WRITE_WINDOW_S` after the id's creation. An unknown id, or one whose row is there
+    (expired, deleted, another org's), is answered at once.
+
+    :param read: ``() -> value``, raising :class:`NotFound` when the row is not there.
+    """
+    try:
+        return read()
+    except NotFound:
+        created = response_id_created_at(response_id)
+        now = now or time.time()
+        if created is None or not created - 2 <= now <= created + WRITE_WINDOW_S \
+                or _row_exists(engine, response_id):
+            raise
+    if writer is not None and writer.wait(response_id):
+        return read()
+    deadline = created + WRITE_WINDOW_S
+    while True:
+        gevent.sleep(RECHECK_S)
+        try:
+            return read()
+        except NotFound:
+            if time.time() >= deadline or _row_exists(engine, response_id):
+                raise
+
+
+def _row_exists(engine, response_id):
+    with _reading(engine) as conn:
+        return conn.execute(sa.select(t.c.id).where(t.c.id == response_id)).first() is not None
 
 
 # The chain, newest first found, oldest first returned: one statement, compiled once.
@@ -192,13 +272,18 @@ def get(engine, org_id, response_id, now=None):
     return _loads(text)
 
 
-def delete(engine, org_id, response_id):
-    """Delete one stored response; return OpenAI's deletion object.
+def delete(engine, org_id, response_id, now=None):
+    """Delete one stored response; return OpenAI's deletion object. Its content goes at once;
+    its id stays, expired, until the sweep (:func:`sweep_expired`), so that a read of it just
+    after is a 404 at once rather than a wait for a row not written yet (:func:`written`).
 
-    :raises NotFound: 404, unknown or another org's.
+    :raises NotFound: 404, unknown, expired or another org's.
     """
+    now = now or utcnow()
     with engine.begin() as conn:
-        gone = conn.execute(t.delete().where(t.c.id == response_id, t.c.org_id == org_id))
+        gone = conn.execute(t.update().where(t.c.id == response_id, _live(org_id, now))
+                            .values(response="{}", input_items="[]",
+                                    expires_at=now - timedelta(seconds=1)))
     if gone.rowcount != 1:
         raise _not_found(response_id)
     return {"id": response_id, "object": "response", "deleted": True}

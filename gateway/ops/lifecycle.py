@@ -80,10 +80,11 @@ def _sweep_forever(services):
 
 
 def drain(app):
-    """Wait for this process's queued settlements to commit (graceful shutdown: gunicorn's
-    ``worker_exit``); return whether they all did within ``KILN_SETTLE_DRAIN_S``. An app that
-    is not Kiln's (served under the same gunicorn config), or a worker that failed to boot,
-    has none to wait for."""
+    """Wait for this process's queued settlements, then its stored responses, to commit
+    (graceful shutdown: gunicorn's ``worker_exit``); return whether the settlements all did
+    within ``KILN_SETTLE_DRAIN_S`` (the responses get as long again). An app that is not
+    Kiln's (served under the same gunicorn config), or a worker that failed to boot, has none
+    to wait for."""
     services = getattr(app, "extensions", {}).get("kiln")
     if services is None:
         return True
@@ -91,6 +92,9 @@ def drain(app):
     if not done:
         log.error("settlements still queued at exit; their leases expire and the sweeper "
                   "bills the progress they recorded")
+    writer = app.extensions.get("kiln.responses_writer")
+    if writer is not None and not writer.drain(services.config.settle_drain_s):
+        log.error("stored responses still queued at exit are not saved")
     return done
 
 

@@ -2,6 +2,7 @@
 stream read back, a response billed exactly once on the meter chat uses, and the stored rows of
 an org."""
 import json
+import time
 from decimal import Decimal
 
 import sqlalchemy as sa
@@ -53,20 +54,34 @@ def assert_billed_once(engine, org, gids, costs, before):
     return events
 
 
-def stored_ids(engine, org_id):
-    """The ids of the org's stored responses (table ``stored_responses``)."""
-    with engine.connect() as conn:
-        return {r[0] for r in conn.execute(sa.text(
-            "SELECT id FROM stored_responses WHERE org_id = :o"), {"o": org_id})}
+def stored_ids(engine, org_id, expect=None):
+    """The ids of the org's stored responses (table ``stored_responses``). With ``expect`` (a
+    set), first wait up to 10 s for them to be that: a worker writes a response's row after its
+    answer has left (docs/RESPONSES.md, "Stored responses")."""
+    def read():
+        with engine.connect() as conn:
+            return {r[0] for r in conn.execute(sa.text(
+                "SELECT id FROM stored_responses WHERE org_id = :o"), {"o": org_id})}
+    if expect is not None:
+        deadline = time.monotonic() + 10
+        while read() != expect and time.monotonic() < deadline:
+            time.sleep(0.02)
+    return read()
 
 
-def stored_generations(engine, org_id):
+def stored_generations(engine, org_id, ids=()):
     """``{response id: generation id}`` of the org's stored responses: the usage event each
-    stored response was billed as."""
-    with engine.connect() as conn:
-        return dict(conn.execute(sa.text(
-            "SELECT id, generation_id FROM stored_responses WHERE org_id = :o"),
-            {"o": org_id}).all())
+    stored response was billed as; first waiting up to 10 s for the rows of ``ids``, as
+    :func:`stored_ids` does."""
+    def read():
+        with engine.connect() as conn:
+            return dict(conn.execute(sa.text(
+                "SELECT id, generation_id FROM stored_responses WHERE org_id = :o"),
+                {"o": org_id}).all())
+    deadline = time.monotonic() + 10
+    while not set(ids) <= set(found := read()) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return found
 
 
 def run_agent(base_url, key, model, prompt, tools=(), stream=False, instructions=None,

@@ -54,7 +54,7 @@ def test_an_agent_with_a_function_tool_runs_to_its_answer(gateway, fake, engine,
                                       "content": "Sunny in Oslo, 21 C"}
     # Each model call of the run is one stored response and one usage event.
     ids = [r.response_id for r in result.raw_responses]
-    generations = stored_generations(engine, org.id)
+    generations = stored_generations(engine, org.id, ids)
     assert sorted(generations) == sorted(ids) and len(ids) == 2
     with openai.OpenAI(base_url=gateway.base_url + "/v1", api_key=org.key,
                        max_retries=0) as client:

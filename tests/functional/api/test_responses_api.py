@@ -61,7 +61,7 @@ def test_create_is_answered_and_billed_once(client, fake, org, engine):
     assert event["cost_nanos"] == fake_model_nanos(prompt=10, completion=5)
     assert upstream_messages(fake) == [{"role": "user",
                                         "content": [{"type": "text", "text": "Say hello"}]}]
-    assert stored_ids(engine, org.id) == {resp.id}
+    assert stored_ids(engine, org.id, {resp.id}) == {resp.id}
 
 
 def test_stream_text_and_final_response(client, fake, org, engine):
@@ -120,7 +120,8 @@ def test_function_calling_loop(client, fake, org, engine, carried):
     assert fake.requests[-1].json["tools"][0]["function"]["name"] == "get_weather"
     assert_billed_once(engine, org, [gid_of(first), gid_of(second)],
                        [cost_of(r1), cost_of(r2)], GRANT)
-    assert stored_ids(engine, org.id) == ({r1.id, r2.id} if store else set())
+    expected = {r1.id, r2.id} if store else set()
+    assert stored_ids(engine, org.id, expected) == expected
 
 
 def test_previous_response_id_carries_the_chain_and_the_stored_api(client, fake, org, engine):
@@ -265,7 +266,7 @@ def test_store_default_off_by_setting(start_gateway, fake, org, engine):
         resp = c.responses.create(model="fake-model", input="Hi")
         kept = c.responses.create(model="fake-model", input="Hi", store=True)
     assert resp.store is False and kept.store is True
-    assert stored_ids(engine, org.id) == {kept.id}
+    assert stored_ids(engine, org.id, {kept.id}) == {kept.id}
 
 
 def test_retention_setting_and_the_sweep(start_gateway, fake, org, engine):
@@ -274,6 +275,7 @@ def test_retention_setting_and_the_sweep(start_gateway, fake, org, engine):
     with sdk(gw, org.key) as c:
         old = c.responses.create(model="fake-model", input="Hi")
         young = c.responses.create(model="fake-model", input="Hi")
+    assert stored_ids(engine, org.id, {old.id, young.id}) == {old.id, young.id}
     with engine.begin() as conn:
         spans = conn.execute(sa.text("SELECT expires_at - created_at FROM stored_responses "
                                      "WHERE org_id = :o"), {"o": org.id}).scalars().all()
@@ -293,6 +295,8 @@ def test_the_runbooks_purge_removes_one_orgs_responses_only(client, fake, org, e
     other = make_org(engine, f"keep-{uuid.uuid4().hex[:8]}")
     with sdk_for(client, other) as c:
         theirs = c.responses.create(model="fake-model", input="Hi").id
+    assert stored_ids(engine, org.id, set(mine)) == set(mine)
+    assert stored_ids(engine, other.id, {theirs}) == {theirs}
     with engine.begin() as conn:  # deploy/RUNBOOK.md, "Stored responses"
         conn.execute(sa.text("DELETE FROM stored_responses WHERE org_id = "
                              "(SELECT id FROM orgs WHERE name = :name)"), {"name": org.name})
@@ -414,7 +418,7 @@ def test_stream_shapes_are_billed_as_through_chat(gateway, fake, engine, shape):
     if "call" in shape:
         calls = [(o["call_id"], json.loads(o["arguments"])) for o in response["output"]]
         assert calls == [("call_a", {"city": "Oslo"}), ("call_b", {"city": "Rome"})]
-    assert stored_ids(engine, org.id) == {response["id"]}
+    assert stored_ids(engine, org.id, {response["id"]}) == {response["id"]}
 
 
 MID_STREAM_FAILURE = [Status(200, {"Content-Type": "text/event-stream"}),

@@ -87,11 +87,11 @@ def test_create_stream_continue_retrieve_list_delete(llama_gateway, engine, org)
         client.responses.delete(r3.id)
         with pytest.raises(openai.NotFoundError):
             client.responses.retrieve(r3.id)
-    gids = [gid(first), stored_generations(engine, org.id)[r2.id], gid(r3_raw)]
+    gids = [gid(first), stored_generations(engine, org.id, [r2.id])[r2.id], gid(r3_raw)]
     events = assert_billed_once(engine, org, gids, [cost(r1), cost(r2), cost(r3)], GRANT)
     for event in events:
         assert event["status"] == "completed" and event["cost_nanos"] == priced(event)
-    assert stored_ids(engine, org.id) == {r1.id, r2.id}
+    assert stored_ids(engine, org.id, {r1.id, r2.id}) == {r1.id, r2.id}
 
 
 def test_function_calling_loop_with_the_real_model_answering(llama_gateway, fake_upstream,
@@ -142,8 +142,8 @@ def test_a_plain_agent_run_on_the_real_model_is_billed_once(llama_gateway, engin
         assert event["endpoint"] == "responses" and event["cost_nanos"] == priced(event)
     if result is not None:
         assert isinstance(result.final_output, str) and result.final_output.strip()
-        generations = stored_generations(engine, org.id)
         ids = [r.response_id for r in result.raw_responses]
+        generations = stored_generations(engine, org.id, ids)
         with sdk(llama_gateway, org.key) as client:
             costs = [cost(client.responses.retrieve(i)) for i in ids]
         assert_billed_once(engine, org, [generations[i] for i in ids], costs, GRANT)

@@ -1,6 +1,9 @@
-"""Stored responses written in batches (gateway/ledger/responses.py, ``ResponseWriter``) on
-Postgres: the rows of concurrent requests go in one statement, each caller returns once its row
-is committed, and a row the database refuses is the only one lost."""
+"""Stored responses written in batches, off the answers' clock (gateway/ledger/responses.py,
+``ResponseWriter``, ``written``) on Postgres: a save returns before its row is written, the rows
+of concurrent requests go in one statement, a row the database refuses is the only one lost, and
+a read of a response whose row is not written yet waits for it, in this worker or another."""
+import logging
+import time
 import uuid
 from datetime import timedelta
 
@@ -9,20 +12,29 @@ import pytest
 import sqlalchemy as sa
 
 from gateway.db import utcnow
+from gateway.errors import NotFound
 from gateway.ledger import responses as stored
+from gateway.models import new_response_id
 from gateway_proc import make_org
 
 pytestmark = pytest.mark.postgres
 
 
-def save(engine, writer, org_id, model="m"):
-    response_id = f"resp_{uuid.uuid4().hex}"
+def save(engine, writer, org_id, model="m", response_id=None):
+    response_id = response_id or new_response_id()
     stored.save(engine, org_id, {"id": response_id, "object": "response", "model": model},
                 [{"role": "user", "content": "hi"}], timedelta(days=1), writer=writer)
     return response_id
 
 
-def test_concurrent_rows_go_in_one_statement_and_each_waits_for_its_own(engine):
+def live_rows(engine, org_id):
+    with engine.connect() as conn:
+        return conn.execute(sa.text("SELECT count(*) FROM stored_responses WHERE org_id = :o "
+                                    "AND expires_at > :now"),
+                            {"o": org_id, "now": utcnow()}).scalar_one()
+
+
+def test_saves_return_at_once_and_concurrent_rows_go_in_one_statement(engine):
     org = make_org(engine, f"writer-{uuid.uuid4().hex[:8]}")
     writer = stored.ResponseWriter(engine, timeout_s=30)
     inserts = []
@@ -32,26 +44,89 @@ def test_concurrent_rows_go_in_one_statement_and_each_waits_for_its_own(engine):
             inserts.append(statement)
     sa.event.listen(engine, "before_cursor_execute", count)
     try:
-        saves = [gevent.spawn(save, engine, writer, org.id) for _ in range(20)]
-        gevent.joinall(saves, raise_error=True)
+        ids = [save(engine, writer, org.id) for _ in range(20)]
+        assert live_rows(engine, org.id) == 0  # queued: no answer waited for its row
+        assert writer.drain(30)
     finally:
         sa.event.remove(engine, "before_cursor_execute", count)
-    ids = [g.value for g in saves]
     assert len(inserts) <= 2  # the first row may go alone, the others queue behind it
-    for response_id in ids:  # each is readable once its save returned
+    for response_id in ids:
         assert stored.get(engine, org.id, response_id)["id"] == response_id
 
 
-def test_a_row_the_database_refuses_is_the_only_one_lost(engine):
+def test_a_row_the_database_refuses_is_the_only_one_lost_and_logged_without_content(
+        engine, caplog):
     org = make_org(engine, f"writer-bad-{uuid.uuid4().hex[:8]}")
     writer = stored.ResponseWriter(engine, timeout_s=30)
     models = ["m", "m", "x" * 5000, "m"]  # past the model column's length: a data error
-    saves = [gevent.spawn(save, engine, writer, org.id, model) for model in models]
-    gevent.joinall(saves)
-    assert [g.successful() for g in saves] == [True, True, False, True]
-    assert isinstance(saves[2].exception, sa.exc.DBAPIError)
-    with engine.connect() as conn:
-        count = conn.execute(sa.text("SELECT count(*) FROM stored_responses WHERE org_id = :o "
-                                     "AND expires_at > :now"),
-                             {"o": org.id, "now": utcnow()}).scalar_one()
-    assert count == 3
+    with caplog.at_level(logging.ERROR, logger="gateway.ledger.responses"):
+        ids = [save(engine, writer, org.id, model) for model in models]
+        assert writer.drain(30)
+    assert live_rows(engine, org.id) == 3
+    lost = [r.getMessage() for r in caplog.records if "not saved" in r.getMessage()]
+    assert lost == [f"stored response {ids[2]} not saved: DataError"]
+
+
+class Reads:
+    """``get`` of one response, counting the tries."""
+
+    def __init__(self, engine, org_id, response_id):
+        self.engine, self.org_id, self.response_id, self.tries = engine, org_id, response_id, 0
+
+    def __call__(self):
+        self.tries += 1
+        return stored.get(self.engine, self.org_id, self.response_id)
+
+    def written(self, writer=None):
+        return stored.written(self, self.engine, self.response_id, writer)
+
+
+def test_a_read_waits_for_this_workers_queued_row(engine):
+    org = make_org(engine, f"writer-wait-{uuid.uuid4().hex[:8]}")
+    writer = stored.ResponseWriter(engine, timeout_s=30)
+    response_id = save(engine, writer, org.id)
+    reads = Reads(engine, org.id, response_id)
+    assert reads.written(writer)["id"] == response_id
+    assert reads.tries == 2  # not there, then there once the writer said so
+
+
+def test_a_read_looks_again_for_a_row_another_worker_writes(engine):
+    org = make_org(engine, f"writer-other-{uuid.uuid4().hex[:8]}")
+    response_id = new_response_id()
+    gevent.spawn_later(0.2, save, engine, None, org.id, response_id=response_id)
+    reads = Reads(engine, org.id, response_id)
+    assert reads.written(stored.ResponseWriter(engine, timeout_s=30))["id"] == response_id
+    assert reads.tries > 2  # looked for again every RECHECK_S until it came
+
+
+def test_an_id_with_a_row_or_not_from_now_is_a_404_at_once(engine, monkeypatch):
+    org = make_org(engine, f"writer-404-{uuid.uuid4().hex[:8]}")
+    other = make_org(engine, f"writer-404b-{uuid.uuid4().hex[:8]}")
+    deleted = save(engine, None, org.id)
+    stored.delete(engine, org.id, deleted)
+    theirs = save(engine, None, other.id)
+    for response_id in (deleted, theirs, new_response_id(time.time() - 3600),
+                        "resp_" + uuid.uuid4().hex, "resp_nope"):
+        reads = Reads(engine, org.id, response_id)
+        with pytest.raises(NotFound):
+            reads.written()
+        assert reads.tries == 1, response_id
+    monkeypatch.setattr(stored, "WRITE_WINDOW_S", 1.5)  # ids tell whole seconds
+    never = Reads(engine, org.id, new_response_id())  # young, never written: looked for, 404
+    with pytest.raises(NotFound):
+        never.written()
+    assert never.tries > 1
+
+
+def test_a_graceful_stop_writes_what_is_queued(engine):
+    from types import SimpleNamespace
+
+    from gateway.ops import lifecycle
+    org = make_org(engine, f"writer-stop-{uuid.uuid4().hex[:8]}")
+    writer = stored.ResponseWriter(engine, timeout_s=30)
+    ids = [save(engine, writer, org.id) for _ in range(5)]
+    services = SimpleNamespace(ledger=SimpleNamespace(drain=lambda _s: True),
+                               config=SimpleNamespace(settle_drain_s=30))
+    app = SimpleNamespace(extensions={"kiln": services, "kiln.responses_writer": writer})
+    assert lifecycle.drain(app)
+    assert live_rows(engine, org.id) == len(ids)

@@ -155,3 +155,19 @@ def test_purge_an_org_by_sql_as_the_docs_say(engine, orgs):
     with pytest.raises(NotFound):
         store.get(engine, org, "resp_1")
     assert store.get(engine, other, "resp_2")["id"] == "resp_2"
+
+
+def test_a_deletion_takes_the_content_at_once_and_the_id_at_the_sweep(engine, orgs):
+    mine = orgs[0]
+    store.save(engine, mine, _response("resp_gone", reply="secret reply"), [_item("secret in")])
+    store.delete(engine, mine, "resp_gone")
+    with engine.connect() as conn:
+        row = conn.execute(sa.text("SELECT response, input_items FROM stored_responses "
+                                   "WHERE id = 'resp_gone'")).one()
+    assert (row.response, row.input_items) == ("{}", "[]")
+    with pytest.raises(NotFound):
+        store.get(engine, mine, "resp_gone")
+    assert store.sweep_expired(engine) == 1
+    with engine.connect() as conn:
+        assert conn.execute(sa.text("SELECT count(*) FROM stored_responses "
+                                    "WHERE id = 'resp_gone'")).scalar_one() == 0
