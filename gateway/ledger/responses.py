@@ -194,33 +194,31 @@ class ResponseWriter:
 
 def written(read, engine, response_id, writer=None, now=None):
     """Return ``read()``; when it raises :class:`NotFound` for a response created moments ago
-    (its id tells when: :func:`gateway.models.response_id_created_at`) that has no row at all,
+    (its id tells when: :func:`gateway.models.response_id_created_at`) whose row is not there,
     wait for its row and read again. A response's row is written after its answer has left
-    (:class:`ResponseWriter`), by whichever worker or host served it: this worker's queued
-    rows are waited for directly, another's are looked for again every :data:`RECHECK_S` until
-    :data:`WRITE_WINDOW_S` after the id's creation. An unknown id, or one whose row is there
-    (expired, deleted, another org's), is answered at once.
+    (:class:`ResponseWriter`), by whichever worker or host served it: this worker's queued rows
+    are waited for directly, another's looked for every :data:`RECHECK_S` until
+    :data:`WRITE_WINDOW_S` after the id's creation. Once the row is there the read says what it
+    is (expired, deleted, another org's: a 404); an older or unknown id is a 404 at once.
 
     :param read: ``() -> value``, raising :class:`NotFound` when the row is not there.
     """
     try:
         return read()
-    except NotFound:
-        created = response_id_created_at(response_id)
-        now = now or time.time()
-        if created is None or not created - 2 <= now <= created + WRITE_WINDOW_S \
-                or _row_exists(engine, response_id):
-            raise
+    except NotFound as err:
+        missing = err
+    created = response_id_created_at(response_id)
+    now = now or time.time()
+    if created is None or not created - 2 <= now <= created + WRITE_WINDOW_S:
+        raise missing
     if writer is not None and writer.wait(response_id):
         return read()
     deadline = created + WRITE_WINDOW_S
-    while True:
+    while not _row_exists(engine, response_id):  # written meanwhile: read it (again)
+        if time.time() >= deadline:
+            raise missing
         gevent.sleep(RECHECK_S)
-        try:
-            return read()
-        except NotFound:
-            if time.time() >= deadline or _row_exists(engine, response_id):
-                raise
+    return read()
 
 
 def _row_exists(engine, response_id):

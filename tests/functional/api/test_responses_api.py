@@ -269,6 +269,29 @@ def test_store_default_off_by_setting(start_gateway, fake, org, engine):
     assert stored_ids(engine, org.id, {kept.id}) == {kept.id}
 
 
+def test_a_chain_continued_at_once_across_two_workers_never_misses_a_turn(start_gateway, fake,
+                                                                         org, engine):
+    """Each turn continues the one before the moment its answer ends, on one keep-alive
+    connection to a gateway of two workers: whichever worker gets the next turn finds the row
+    the other one writes after its answer (docs/RESPONSES.md, "Stored responses")."""
+    gw = start_gateway(workers=2)
+    fake.default = lambda record: [*json_reply(chat_completion("Noted."))]
+    previous, ids = None, []
+    with requests.Session() as http:
+        for turn in range(16):
+            body = {"model": "fake-model", "input": f"Turn {turn}."}
+            if previous:
+                body["previous_response_id"] = previous
+            r = http.post(gw.base_url + "/v1/responses", json=body, headers=org.headers,
+                          timeout=30)
+            assert r.status_code == 200, (turn, r.text)
+            previous = r.json()["id"]
+            ids.append(previous)
+    carried = [len(record.json["messages"]) for record in fake.requests[-16:]]
+    assert carried == [1 + 2 * turn for turn in range(16)]  # the whole history, every turn
+    assert stored_ids(engine, org.id, set(ids)) == set(ids)
+
+
 def test_retention_setting_and_the_sweep(start_gateway, fake, org, engine):
     from gateway.ledger.responses import sweep_expired
     gw = start_gateway(responses_retention_days=2)
