@@ -14,7 +14,8 @@ import gevent
 
 from . import upstream
 from ..errors import UpstreamTooLarge
-from .relay import ClientGone, ClientWatch, Pump, UpstreamCall, keepalives_until_answered
+from .client import ClientGone, ClientWatch
+from .relay import Pump, UpstreamCall, keepalives_until_answered
 from .spans import NO_SPANS
 
 log = logging.getLogger("kiln.requests")

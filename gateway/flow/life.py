@@ -17,7 +17,7 @@ from ..background import Background
 from ..backends.exchange import Exchange
 from ..backends.fleet import Route
 from ..backends.health import BackendStates
-from ..backends.relay import ClientGone, guard_writes
+from ..backends.client import ClientGone, guard_writes
 from ..backends.spans import spans_of
 from ..backends.upstream import encode_body
 from ..contract.tokenizers import LocalTokenizers

@@ -11,7 +11,8 @@ from ..endings import (CLIENT_CLOSED, IDLE_TIMEOUT, INTERNAL_ERROR, LEASE_EXPIRE
                        UPSTREAM_ERROR, UPSTREAM_REJECTED, UPSTREAM_TOO_LARGE, Status)
 from ..errors import (GatewayError, InternalError, ServiceUnavailable, ShuttingDown,
                       UpstreamError, UpstreamRejected, UpstreamTimeout, UpstreamTooLarge)
-from ..backends.relay import ClientGone, StreamFailed
+from ..backends.client import ClientGone
+from ..backends.relay import StreamFailed
 from ..backends.sse import DONE, unfinished_payload
 
 log = logging.getLogger("kiln.requests")

@@ -42,7 +42,7 @@ from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import (NonRecordingSpan, SpanContext, SpanKind, Status, StatusCode,
                                  TraceFlags, get_current_span, set_span_in_context)
 
-from ..backends.relay import ClientGone
+from ..backends.client import ClientGone
 from ..backends.spans import ENVIRON_KEY
 
 TRACES_PATH = "/v1/traces"  # OTLP/HTTP: the traces signal's path under the endpoint

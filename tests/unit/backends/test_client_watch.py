@@ -1,4 +1,4 @@
-"""The client watch and the stuck-write check (gateway/backends/relay.py): event-loop watchers
+"""The client watch and the stuck-write check (gateway/backends/client.py): event-loop watchers
 on the client's socket, no greenlet of their own while nothing happens."""
 import socket
 
@@ -6,7 +6,7 @@ import gevent
 import pytest
 from gevent import socket as gsocket
 
-from gateway.backends.relay import ClientWatch, guard_writes
+from gateway.backends.client import ClientWatch, guard_writes
 
 pytestmark = pytest.mark.unit
 
