@@ -150,7 +150,10 @@ def parse(body, catalog, body_bytes, history=None, store_default=True):
     if previous is not None:
         require_string(previous, "previous_response_id")
     return ResponsesRequest(
-        **vars(checked), response_id=new_response_id(), created_at=int(time.time()),
+        # A stored response's id tells when it was made (a read may wait for its row); an
+        # unstored one is random, so that naming it is a 404 at once (docs/RESPONSES.md).
+        **vars(checked), response_id=new_response_id() if store else new_id("resp_"),
+        created_at=int(time.time()),
         echo=_echo(body, tools, choice), dropped_tools=dropped, input_items=b.stored,
         store=store, previous_response_id=previous)
 

@@ -261,12 +261,19 @@ def test_store_false_keeps_nothing(client, fake, org, engine, stream):
 
 
 def test_store_default_off_by_setting(start_gateway, fake, org, engine):
+    import time
+
+    from gateway.models import response_id_created_at
     gw = start_gateway(responses_store_default="false")
     with sdk(gw, org.key) as c:
         resp = c.responses.create(model="fake-model", input="Hi")
         kept = c.responses.create(model="fake-model", input="Hi", store=True)
     assert resp.store is False and kept.store is True
     assert stored_ids(engine, org.id, {kept.id}) == {kept.id}
+    # The stored one's id tells when it was made (a read may wait for its row); the unstored
+    # one's is random: naming it is a 404 at once, never taken for a row still to be written.
+    assert abs(response_id_created_at(kept.id) - time.time()) < 60
+    assert abs(response_id_created_at(resp.id) - time.time()) > 60  # chance 1 in 35 million
 
 
 def test_a_chain_continued_at_once_across_two_workers_never_misses_a_turn(start_gateway, fake,
