@@ -83,10 +83,14 @@ class Demo:
         self.proc = None
 
     def start(self):
+        """Start the demo as a terminal starts a foreground job: in a session of its own, with
+        the signals' default dispositions (a suite run under ``nohup`` or as a background job
+        ignores HUP or INT, and bash cannot trap a signal ignored when it starts)."""
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(["scripts/run-demo.sh", str(VENV)], cwd=ROOT,
                                          env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, start_new_session=True)
+                                         stdin=subprocess.DEVNULL, start_new_session=True,
+                                         preexec_fn=default_signals)
         threading.Thread(target=self._record, daemon=True).start()
         return self
 
@@ -103,7 +107,8 @@ class Demo:
                 [sys.executable, "-c", leader, "scripts/run-demo.sh", str(VENV)], cwd=ROOT,
                 env=self.env, stdin=slave, stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True,
-                preexec_fn=lambda: os.close(os.open(name, os.O_RDWR)))  # the controlling tty
+                preexec_fn=lambda: (default_signals(),  # as start() says
+                                    os.close(os.open(name, os.O_RDWR))))  # the controlling tty
         os.close(slave)
         threading.Thread(target=self._record, daemon=True).start()
         return master
@@ -154,6 +159,11 @@ class Demo:
         for pid in self.seen:
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def default_signals():
+    for sig in (signal.SIGHUP, signal.SIGINT, signal.SIGQUIT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
 
 
 @pytest.fixture
