@@ -62,9 +62,10 @@ class UpstreamCall:
                 raise  # killed (GreenletExit): the greenlet ends as killed
             return
         self.response = resp
+        self._answer.set(resp)
         if self._aborted:
             upstream.shutdown(resp)  # the abort came while the status line was on its way
-        self._answer.set(resp)
+            return
         self._taken.wait()  # until the flow takes the answer (or closes the call: a kill)
         self._read(resp)
 
