@@ -185,14 +185,18 @@ class Pump:
         call.read_with(self._run)
 
     def _run(self, resp):
+        raw, queue = resp.raw, self.queue
         try:
-            while True:
-                data = resp.raw.read1(READ_SIZE, decode_content=True)
-                if not data:
-                    self.complete = True
-                    self.queue.put((EOF, None))
-                    return
-                self.queue.put((DATA, data))
+            if raw.chunked and raw.supports_chunked_reads():
+                # urllib3's own chunk reader: a third less CPU per HTTP chunk than read1,
+                # which goes through http.client's (bench/RESULTS.md, the relay).
+                for data in raw.read_chunked(READ_SIZE, decode_content=True):
+                    queue.put((DATA, data))
+            else:
+                while data := raw.read1(READ_SIZE, decode_content=True):
+                    queue.put((DATA, data))
+            self.complete = True
+            queue.put((EOF, None))
         except ReadTimeoutError:
             self.queue.put((FAILED, StreamFailed(f"The model backend sent nothing for "
                                                  f"{self.idle_s:g} s (idle timeout).",

@@ -102,6 +102,9 @@ class Meter:
         A chunk that would take the generation past ``cap`` is not counted: the caller stops
         relaying there (and the backend) and ends the choices with ``finish_reason: "length"``.
         """
+        plain = _plain_delta(chunk)
+        if plain is not None:
+            return self._admit_plain(*plain)
         usage = chunk.get("usage")
         running = token_count(usage.get("completion_tokens")) if isinstance(usage, dict) else None
         choices = chunk.get("choices")
@@ -122,6 +125,29 @@ class Meter:
         for choice in choices:
             if isinstance(choice, dict) and choice.get("finish_reason"):
                 self.finished.add(choice.get("index", 0))
+        return True
+
+    def _admit_plain(self, choice, text):
+        """:meth:`admit_chunk` for the chunk almost every stream is made of (one choice, a
+        delta of ``content`` and perhaps ``role``, no usage): the same counts, without the
+        general case's lists (a streamed chunk's cost is mostly Kiln's reading of it,
+        bench/RESULTS.md, the relay)."""
+        if text:
+            size = len(text) if text.isascii() else _utf8_len(text)
+            floor = max(1, (size + MAX_TOKEN_BYTES - 1) // MAX_TOKEN_BYTES)
+            if self.floor + floor > self.cap:
+                self.cut = True
+                return False
+            self.deltas += 1
+            self.floor += floor
+            self.bytes += size
+            recent = self._recent
+            recent.append(text)
+            if len(recent) >= PIECES_PER_PART:
+                self.parts.append("".join(recent))
+                recent.clear()
+        if choice.get("finish_reason"):
+            self.finished.add(choice.get("index", 0))
         return True
 
     def observe_completion(self, completion):
@@ -161,6 +187,27 @@ class Meter:
         if isinstance(text, str):
             pieces.append(self._echo.split(choice.get("index", 0), text)[1])
         return pieces
+
+
+_PLAIN_DELTA_FIELDS = frozenset(("role", "content"))
+
+
+def _plain_delta(chunk):
+    """``(choice, content)`` of a chunk of one chat choice whose delta holds only ``content``
+    (a string, or none) and ``role``, with no usage; None for any other chunk."""
+    choices = chunk.get("choices")
+    if type(choices) is not list or len(choices) != 1 or chunk.get("usage") is not None:
+        return None
+    choice = choices[0]
+    if type(choice) is not dict or "text" in choice:
+        return None
+    delta = choice.get("delta")
+    if type(delta) is not dict or not delta.keys() <= _PLAIN_DELTA_FIELDS:
+        return None
+    text = delta.get("content")
+    if text is None:
+        return choice, ""
+    return (choice, text) if type(text) is str else None
 
 
 def _choice_text(choice, field):

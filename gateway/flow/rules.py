@@ -200,13 +200,13 @@ class StreamRules:
         if payload == DONE:
             self.done = True
             return None
-        if not payload.strip(b" \t\n"):
-            return None  # an empty message event (a bare ``data`` line) carries no chunk
         try:
             obj = loads(payload)
         except ValueError:
             obj = None
-        if not isinstance(obj, dict):
+        if type(obj) is not dict:
+            if not payload.strip(b" \t\n"):
+                return None  # an empty message event (a bare ``data`` line) carries no chunk
             self.error = {"message": "the model backend sent an event that is not a JSON object"}
             return None
         if ("error" in obj or obj.get("object") == "error") and not obj.get("choices"):
@@ -250,7 +250,9 @@ class StreamRules:
             return payload, obj
         rewritten = False
         if isinstance(choices, list):
-            self.indexes.update(c.get("index", 0) for c in choices if isinstance(c, dict))
+            for choice in choices:
+                if isinstance(choice, dict):
+                    self.indexes.add(choice.get("index", 0))
             if self.cutter or self.single_tool_call or _has_tool_calls(choices):
                 rewritten = self._rewrite(obj, choices)
                 if not obj["choices"]:
@@ -346,8 +348,11 @@ def _error_event(payload):
 
 
 def _has_tool_calls(choices):
-    return any(isinstance(c, dict) and isinstance(c.get("delta"), dict)
-               and c["delta"].get("tool_calls") for c in choices)
+    for choice in choices:
+        delta = choice.get("delta") if isinstance(choice, dict) else None
+        if isinstance(delta, dict) and delta.get("tool_calls"):
+            return True
+    return False
 
 
 class CallNumbers:
