@@ -19,7 +19,11 @@ from .client import ClientGone
 from .sse import KEEPALIVE, EventSplitter, EventTooLarge
 
 READ_SIZE = 65536
-QUEUE_CHUNKS = 8  # reads buffered between backend and client: back-pressure past this
+# Reads buffered between backend and client: back-pressure past either bound. A client that
+# keeps up takes what has queued in one write (:func:`_with_queued`), so the count bounds the
+# writes saved; the bytes bound what a stream holds for a client that does not keep up.
+QUEUE_CHUNKS = 64
+QUEUE_BYTES = 65536
 DATA, EOF, FAILED = "data", "eof", "failed"
 
 
@@ -125,25 +129,34 @@ class Chunks:
     reader): a list and two events, about 420 bytes, where gevent's ``Queue`` takes 2.6 KiB
     (three deques); one is held per open stream (bench/RESULTS.md, bursts). The methods are
     those of ``gevent.queue.Queue`` the relay uses, with its :class:`~gevent.queue.Empty`.
+
+    :param maxsize: items queued at most.
+    :param max_bytes: sizes (as given to :meth:`put`) queued at most, or None: a put waits
+        while the queue holds this much, so it holds at most this plus one item.
     """
 
-    __slots__ = ("maxsize", "_items", "_readable", "_writable")
+    __slots__ = ("maxsize", "max_bytes", "size", "_items", "_readable", "_writable")
 
-    def __init__(self, maxsize):
-        self.maxsize = maxsize
-        self._items = []
+    def __init__(self, maxsize, max_bytes=None):
+        self.maxsize, self.max_bytes = maxsize, max_bytes
+        self.size = 0  # the sizes of the items queued
+        self._items = []  # (item, size)
         self._readable, self._writable = Event(), Event()
 
-    def put(self, item):
-        """Append ``item``, first waiting while ``maxsize`` items are queued."""
-        while len(self._items) >= self.maxsize:
+    def put(self, item, size=0):
+        """Append ``item`` of ``size`` (bytes, say), first waiting while ``maxsize`` items or
+        ``max_bytes`` are queued."""
+        max_bytes = self.max_bytes
+        while len(self._items) >= self.maxsize or (max_bytes is not None
+                                                   and self.size >= max_bytes):
             self._writable.clear()
             self._writable.wait()
-        self.put_nowait(item)
+        self.put_nowait(item, size)
 
-    def put_nowait(self, item):
-        """Append ``item`` whatever the bound (the relay's last word: a failure, the end)."""
-        self._items.append(item)
+    def put_nowait(self, item, size=0):
+        """Append ``item`` whatever the bounds (the relay's last word: a failure, the end)."""
+        self._items.append((item, size))
+        self.size += size
         self._readable.set()
 
     def get(self, timeout=None):
@@ -156,14 +169,15 @@ class Chunks:
     def get_nowait(self):
         if not self._items:
             raise Empty()
-        item = self._items.pop(0)
+        item, size = self._items.pop(0)
+        self.size -= size
         self._writable.set()
         return item
 
     def peek_nowait(self):
         if not self._items:
             raise Empty()
-        return self._items[0]
+        return self._items[0][0]
 
     def empty(self):
         return not self._items
@@ -179,7 +193,7 @@ class Pump:
 
     def __init__(self, call, idle_s):
         self.idle_s = idle_s  # what the socket's read timeout is, for the message
-        self.queue = Chunks(QUEUE_CHUNKS)
+        self.queue = Chunks(QUEUE_CHUNKS, QUEUE_BYTES)
         self.complete = False  # the body was read to its end
         self._greenlet = call.greenlet
         call.read_with(self._run)
@@ -191,10 +205,10 @@ class Pump:
                 # urllib3's own chunk reader: a third less CPU per HTTP chunk than read1,
                 # which goes through http.client's (bench/RESULTS.md, the relay).
                 for data in raw.read_chunked(READ_SIZE, decode_content=True):
-                    queue.put((DATA, data))
+                    queue.put((DATA, data), len(data))
             else:
                 while data := raw.read1(READ_SIZE, decode_content=True):
-                    queue.put((DATA, data))
+                    queue.put((DATA, data), len(data))
             self.complete = True
             queue.put((EOF, None))
         except ReadTimeoutError:

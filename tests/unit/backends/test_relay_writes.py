@@ -104,3 +104,24 @@ def test_the_relay_reads_a_real_pump_queue():
         queue.put(item)
     writes, applied = relay(SimpleNamespace(queue=queue))
     assert writes == [b"<a><b>"] and applied == [[b"a", b"b"]]
+
+
+def test_the_chunks_writer_waits_at_the_byte_bound_too():
+    import gevent
+    from gateway.backends.relay import Chunks
+    chunks = Chunks(64, max_bytes=100)
+    written = []
+
+    def writer():
+        for i in range(4):
+            chunks.put(i, size=60)
+            written.append(i)
+    g = gevent.spawn(writer)
+    gevent.sleep(0.01)
+    assert written == [0, 1] and chunks.size == 120  # 120 >= 100: the third put waits
+    assert chunks.get(timeout=1) == 0 and chunks.size == 60
+    gevent.sleep(0.01)
+    assert written == [0, 1, 2]  # 60 < 100 let one more in, 120 stops the next
+    assert [chunks.get(timeout=1) for _ in range(3)] == [1, 2, 3]
+    g.join(1)
+    assert written == [0, 1, 2, 3] and chunks.size == 0
