@@ -17,6 +17,7 @@ from datetime import timedelta
 from decimal import Decimal
 
 import gevent
+import orjson
 import sqlalchemy as sa
 from gevent import Timeout
 from gevent.event import AsyncResult
@@ -40,12 +41,25 @@ _DECIMAL = re.compile(r'"\\u0000dec:([0-9eE+.\-]+)\\u0000"')
 
 def dumps(obj):
     """JSON text of ``obj`` with each Decimal (the response's ``usage.cost``) written as its
-    exact literal, never through a float (a number, as the answer told it; never a string)."""
+    exact literal, never through a float (a number, as the answer told it; never a string).
+    orjson writes it; what orjson refuses (a lone surrogate, an integer past 64 bits) the
+    standard library does, as :func:`gateway.backends.sse.dumps` does."""
+    try:
+        return orjson.dumps(obj, default=_decimal_fragment).decode()
+    except TypeError:  # orjson.JSONEncodeError is one
+        pass
+
     def mark(value):
         if isinstance(value, Decimal):
             return f"\x00dec:{format(value, 'f')}\x00"
         raise TypeError(f"cannot store a {type(value).__name__}")
     return _DECIMAL.sub(r"\1", json.dumps(obj, default=mark, separators=(",", ":")))
+
+
+def _decimal_fragment(value):
+    if isinstance(value, Decimal):
+        return orjson.Fragment(format(value, "f").encode())
+    raise TypeError(f"cannot store a {type(value).__name__}")
 
 
 def _loads(text):
@@ -87,8 +101,8 @@ def save(engine, org_id, response, input_items, retention=DEFAULT_RETENTION,
 def _insert(engine, rows):
     """Write ``rows`` (column values) in one statement, its own transaction: one round trip,
     the setting local to it."""
-    payload = json.dumps([{**row, "created_at": iso_utc(row["created_at"]),
-                           "expires_at": iso_utc(row["expires_at"])} for row in rows])
+    payload = orjson.dumps([{**row, "created_at": iso_utc(row["created_at"]),
+                             "expires_at": iso_utc(row["expires_at"])} for row in rows]).decode()
     with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
         conn.execute(_SAVE_ASYNC, {"rows": payload})
 

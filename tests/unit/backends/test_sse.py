@@ -406,3 +406,33 @@ def test_loads_refuses_what_is_not_json():
     from gateway.backends.sse import loads
     with pytest.raises(ValueError):
         loads(b'{"a": ')
+
+
+@pytest.mark.parametrize("obj", [
+    {"id": "c", "choices": [{"text": "caf\u00e9 \U0001f600", "logprob": -0.25}], "n": 1e-05},
+    {"text": "lone \ud800 surrogate"},          # orjson refuses it: the standard library writes it
+    {"big": 2 ** 70},                          # past 64 bits: the standard library again
+])
+def test_dumps_writes_what_it_is_given_with_the_exact_cost(obj):
+    from gateway.backends.sse import dumps
+    obj = {**obj, "usage": {"prompt_tokens": 3}}
+    cost = Decimal("0.000000123456789")
+    expected = {k: v for k, v in json.loads(json.dumps(obj)).items() if k != "usage"}
+    text = dumps(obj, cost)
+    assert b'"usage":{"prompt_tokens":3,' in text  # compact: no space after a separator
+    assert b'"cost":0.000000123456789' in text
+    read = json.loads(text, parse_float=Decimal)
+    assert read["usage"]["cost"] == cost
+    assert {k: v for k, v in json.loads(text).items() if k != "usage"} == expected
+
+
+def test_dumps_writes_a_non_finite_float_as_null_json_having_no_literal_for_it():
+    from gateway.backends.sse import dumps
+    assert json.loads(dumps({"logprob": float("nan")})) == {"logprob": None}
+
+
+def test_a_stored_response_keeps_its_decimal_cost_exact_whoever_writes_it():
+    from gateway.ledger.responses import _loads, dumps
+    for extra in ("", "\ud800"):
+        obj = {"output_text": "hi" + extra, "usage": {"cost": Decimal("0.1000000001")}}
+        assert _loads(dumps(obj)) == obj
