@@ -2,6 +2,7 @@
 expired one), the chain of ``previous_response_id`` in order, input items paged as OpenAI pages
 them, exact costs, deletion, and the sweep of expired rows. SQLite in process (``unit``); the
 same tests on a Postgres database of their own (``postgres``)."""
+import json
 import uuid
 from datetime import timedelta
 from decimal import Decimal
@@ -171,3 +172,12 @@ def test_a_deletion_takes_the_content_at_once_and_the_id_at_the_sweep(engine, or
     with engine.connect() as conn:
         assert conn.execute(sa.text("SELECT count(*) FROM stored_responses "
                                     "WHERE id = 'resp_gone'")).scalar_one() == 0
+
+
+def test_a_historys_items_are_read_as_the_standard_library_reads_them():
+    from gateway.ledger.responses import _items
+    for text in ('[{"type": "message", "content": "caf\\u00e9", "n": 1.5}]',
+                 '[{"content": "lone \\ud800"}]',            # orjson refuses the escape
+                 '[{"seed": 123456789012345678901234}]'):   # orjson would read a float
+        assert _items(text) == json.loads(text)
+    assert type(_items('[{"seed": 123456789012345678901234}]')[0]["seed"]) is int
