@@ -35,6 +35,9 @@ keepalive = 5
 max_requests = int(os.environ.get("KILN_MAX_REQUESTS", "50000"))
 max_requests_jitter = max_requests // 10
 preload_app = False
+# A backend named by its IP address is resolved in place, not in a thread of gevent's resolver
+# (gateway/backends/resolver.py); any other name as gevent resolves it.
+os.environ.setdefault("GEVENT_RESOLVER", "gateway.backends.resolver.Resolver")
 # gunicorn 25+ opens a control socket at one shared per-user path; several instances on a host
 # would take it from each other. Signals (systemd's reload/stop) are the control interface.
 control_socket_disable = True
