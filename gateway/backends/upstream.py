@@ -5,6 +5,7 @@ import json
 import unicodedata
 from http import HTTPStatus
 
+import orjson
 import requests
 import urllib3
 from requests.adapters import HTTPAdapter
@@ -68,8 +69,13 @@ def post(session, url, payload, timeouts_s, api_key=None, headers=None):
 
 def encode_body(body):
     """Serialise a request body (dict) as compact UTF-8 JSON (its text is valid Unicode: the
-    contract refuses lone surrogates, :func:`gateway.contract.json_body.parse_json_body`)."""
-    return json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
+    contract refuses lone surrogates, :func:`gateway.contract.json_body.parse_json_body`).
+    orjson writes it; the standard library what orjson refuses, as
+    :func:`gateway.backends.sse.dumps`."""
+    try:
+        return orjson.dumps(body)
+    except TypeError:  # orjson.JSONEncodeError is one
+        return json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
 
 
 def open_chat(session, backend, payload, timeouts_s, path=CHAT_PATH, headers=None):

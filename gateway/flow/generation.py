@@ -11,6 +11,8 @@ import secrets
 import time
 from dataclasses import dataclass
 
+import orjson
+
 from ..backends import fleet
 from ..billing import BY_BOUND, BY_TOKENIZER, Usage, cost_nanos, from_nanos, hold_nanos
 from ..db import utcnow
@@ -230,7 +232,7 @@ class Generation:
         fleet.observe(m, self.exchange.route, outcome.status.value, outcome.code,
                       self.first_token_s, usage.completion, elapsed_s)
         if self.services.config.log_requests:
-            log.info(json.dumps(self._log_record(outcome, usage, cost_nanos)))
+            log.info(orjson.dumps(self._log_record(outcome, usage, cost_nanos)).decode())
 
     def _log_record(self, outcome, usage, cost_nanos):
         # No error text: a backend's message can quote the prompt (a 422 ``detail`` echoes the
