@@ -201,14 +201,11 @@ class Pump:
     def _run(self, resp):
         raw, queue = resp.raw, self.queue
         try:
-            if raw.chunked and raw.supports_chunked_reads():
-                # urllib3's own chunk reader: a third less CPU per HTTP chunk than read1,
-                # which goes through http.client's (bench/RESULTS.md, the relay).
-                for data in raw.read_chunked(READ_SIZE, decode_content=True):
-                    queue.put((DATA, data), len(data))
-            else:
-                while data := raw.read1(READ_SIZE, decode_content=True):
-                    queue.put((DATA, data), len(data))
+            # read1: what has arrived, also part of an HTTP chunk. urllib3's read_chunked costs
+            # less CPU per chunk but returns a chunk only once all of it is in: a backend that
+            # sends one chunk slowly would be relayed late, or timed out as idle.
+            while data := raw.read1(READ_SIZE, decode_content=True):
+                queue.put((DATA, data), len(data))
             self.complete = True
             queue.put((EOF, None))
         except ReadTimeoutError:

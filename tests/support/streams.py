@@ -11,7 +11,7 @@ from urllib.parse import urlsplit
 import sqlalchemy as sa
 
 from factories import MESSAGES
-from fake_upstream import Gate, chat_chunk, sse
+from fake_upstream import Gate, Send, Status, chat_chunk, sse
 from gateway_proc import balance_nanos
 
 GRANT = 10 * 10**9
@@ -151,17 +151,26 @@ def stream_body(**extra):
     return {"model": "fake-model", "messages": MESSAGES, "stream": True, **extra}
 
 
-def relay_event_by_event(base_url, fake, org, count=8):
+def relay_event_by_event(base_url, fake, org, count=8, one_chunk=False):
     """Stream ``count`` content events from a backend that sends each one only after the
     client has received the one before (a ``Gate`` per event): a relay that held an event back
     until more bytes came, or until the end, makes the client wait for an event that never
     comes, and fails here. Event-driven, so a loaded machine cannot make it flake.
 
+    :param one_chunk: the events are all pieces of one HTTP chunk (its size line first, its
+        terminator last): a reader that returned a chunk only once all of it had arrived would
+        hold the first event back.
     :returns: the :class:`RawStream`, read to its end.
     """
     gates = [threading.Event() for _ in range(count)]
     status, *frames = sse([chat_chunk(f"tok{k}") for k in range(count)]
                           + [chat_chunk(finish_reason="stop")])
+    if one_chunk:
+        size = sum(len(f.data) for f in frames)
+        status = Status(status.code, {**status.headers, "Transfer-Encoding": "chunked"},
+                        chunked=False)  # framed here: one chunk, sent in pieces
+        frames = [Send(b"%x\r\n" % size + frames[0].data), *frames[1:-1],
+                  Send(frames[-1].data + b"\r\n0\r\n\r\n")]
     script = [status]
     for k, gate in enumerate(gates):
         script += [frames[k], Gate(gate)]

@@ -244,6 +244,14 @@ def test_each_event_leaves_as_soon_as_it_arrives(gateway, fake, org):
     assert raw.ended and raw.body.endswith(b"data: [DONE]\n\n")
 
 
+def test_each_event_leaves_as_it_arrives_inside_one_slow_http_chunk(gateway, fake, org):
+    # A reader that returns an HTTP chunk only once it is whole (urllib3's read_chunked)
+    # would hold the first event until the last had come: the client would wait forever.
+    raw = relay_event_by_event(gateway.base_url, fake, org, one_chunk=True)
+    assert raw.ended and raw.body.endswith(b"data: [DONE]\n\n")
+    assert len(data_events(raw.body)) == 8 + 2  # the content, the finish chunk, [DONE]
+
+
 # -- client disconnect ----------------------------------------------------------------------
 
 def assert_cancelled_and_billed(engine, org, gid, completion, closed_at, record,
