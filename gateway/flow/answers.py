@@ -17,7 +17,7 @@ from ..backends.relay import StreamFailed, relay_stream
 from ..backends.sse import loads
 from ..errors import UpstreamError
 from .outcomes import check_complete
-from .rules import StreamRules, apply_to_completion
+from .rules import StreamRules, apply_to_completion, indexes_are_integers
 
 STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 # A whole reply at least this large gives the worker's event loop a turn between the steps
@@ -70,6 +70,8 @@ def _parse_completion(raw):
         raise UpstreamError("The model backend sent a reply that is not JSON.") from err
     if not isinstance(obj, dict) or not isinstance(obj.get("choices"), list):
         raise UpstreamError("The model backend sent a reply that is not a chat completion.")
+    if not indexes_are_integers(obj["choices"]):
+        raise UpstreamError("The model backend sent a choice whose index is not an integer.")
     return obj
 
 
@@ -164,10 +166,17 @@ def stream(gen, exchange, request, renderer):
                         getattr(request, "echoed", None))
     with exchange.spans.span("kiln.stream"):  # the first token is an event of it
         try:
-            unfinished = yield from relay_stream(
-                pump, lambda payloads: _apply(gen, rules, renderer, payloads), gen.check_lease,
-                config.keepalive_s, exchange.timeouts.idle_s, config.max_event_bytes,
-                renderer.keepalive)
+            try:
+                unfinished = yield from relay_stream(
+                    pump, lambda payloads: _apply(gen, rules, renderer, payloads),
+                    gen.check_lease, config.keepalive_s, exchange.timeouts.idle_s,
+                    config.max_event_bytes, renderer.keepalive)
+            except StreamFailed as err:
+                if not (rules.done and err.kind in ("upstream_error", "timeout")):
+                    raise
+                # The backend said [DONE], then broke the connection or went silent before
+                # its body's end (a chunked body's last chunk): the stream it sent is whole.
+                unfinished = b""
             check_complete(rules, unfinished)
         except StreamFailed as err:
             rules.failed(err.kind)

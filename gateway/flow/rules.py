@@ -213,6 +213,13 @@ class StreamRules:
             # {"error": {...}} (vLLM, SGLang, llama.cpp) or a bare {"object": "error", ...}
             self._backend_error(obj.get("error") or obj)
             return None
+        choices = obj.get("choices")
+        if type(choices) is list and not indexes_are_integers(choices):
+            # A choice's index keys the rules' state and the meter's: a chunk that does not
+            # say which choice it continues is malformed, as one that is not an object.
+            self.error = {"message": "the model backend sent a choice whose index is not an "
+                                     "integer"}
+            return None
         if b"\n" in payload:
             # Several data lines joined (WHATWG HTML, "Server-sent events"): the client gets
             # one data line. A JSON text has no raw newline inside a string, so each one is
@@ -345,6 +352,15 @@ def _error_event(payload):
         return {"message": "the model backend sent an error event"}
     error = obj.get("error")
     return error if isinstance(error, dict) else obj
+
+
+def indexes_are_integers(choices):
+    """Whether every choice object of ``choices`` (a list) has an integer ``index`` (or
+    none: 0)."""
+    for choice in choices:
+        if type(choice) is dict and type(choice.get("index", 0)) is not int:
+            return False
+    return True
 
 
 def _has_tool_calls(choices):

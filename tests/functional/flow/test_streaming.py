@@ -383,6 +383,12 @@ MID_STREAM = {
     "fin-mid-body": (one_token_then(Send(b'data: {"id":"c","choi'), Close()),
                      "upstream_error", "upstream_error", "connection"),
     "ended-early": (one_token_then(), "upstream_error", "upstream_error", "before it was"),
+    # A choice's index that is not an integer says no choice: malformed, like a non-object
+    # (it once reached the rules' state as a key: an internal error, not the backend's).
+    "index-not-integer": (one_token_then(Send(b'data: {"id":"c","choices":[{"index":[1],'
+                                              b'"delta":{"content":"b"},'
+                                              b'"finish_reason":"stop"}]}\n\n')),
+                          "upstream_error", "upstream_error", "index is not an integer"),
 }
 
 
@@ -396,6 +402,35 @@ def test_failure_after_the_stream_began_is_one_error_event(gateway, fake, org, e
     assert event["status"] == status and words in event["error"]
     assert event["completion_tokens"] == 1 and event["estimated"]
     assert event["cost_nanos"] == nanos(event["prompt_tokens"], 1) > 0
+    assert_books_balance(engine, org.id)
+
+
+@pytest.mark.parametrize("end", [Close(), Reset()], ids=["fin", "reset"])
+def test_a_stream_that_said_done_is_whole_though_its_body_was_cut(gateway, fake, org, engine,
+                                                                   end):
+    # [DONE], then the connection ends before the chunked body's last chunk: nothing the
+    # backend meant to send is missing, so the client gets a complete stream.
+    fake.enqueue(sse([chat_chunk("a"), chat_chunk(finish_reason="stop")]) + [end])
+    raw = RawStream(gateway.base_url, org.key, stream_body()).read_all()
+    assert raw.status == 200 and raw.ended and raw.body.endswith(b"data: [DONE]\n\n")
+    assert b'"error"' not in raw.body
+    event = settled_event(engine, raw.gid)
+    assert event["status"] == "completed" and event["completion_tokens"] == 1
+    assert_books_balance(engine, org.id)
+
+
+def test_a_whole_reply_whose_choice_index_is_not_an_integer_is_the_backends_error(
+        gateway, fake, org, engine):
+    reply = chat_completion("a")
+    reply["choices"][0]["index"] = [1]
+    fake.enqueue(json_reply(reply))
+    resp = requests.post(f"{gateway.base_url}/v1/chat/completions", timeout=30,
+                         headers={"Authorization": f"Bearer {org.key}"},
+                         json={"model": "fake-model", "messages": MESSAGES, "stop": ["x"]})
+    assert resp.status_code == 502, resp.text
+    assert "index is not an integer" in resp.text  # a 502 is plain text (README, "API")
+    event = settled_event(engine, resp.headers["X-Neocloud-Generation-Id"])
+    assert event["status"] == "upstream_error"
     assert_books_balance(engine, org.id)
 
 
@@ -474,7 +509,7 @@ def test_every_request_is_settled_exactly_once(start_gw, fake, engine):
     cancel([Sleep(1.0)] + json_reply(chat_completion("late")), after=lambda raw: time.sleep(0.3),
            stream=False)
     requests_made = len(made)
-    assert requests_made == 11
+    assert requests_made == 7 + len(MID_STREAM)
     wait_until(lambda: balance_nanos(engine, org.id)[2] == 0)
     evts = org_events(engine, org.id)
     assert len(evts) == requests_made and all(e["status"] != "pending" for e in evts)
