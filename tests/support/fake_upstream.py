@@ -14,8 +14,9 @@ the bytes sent and of their timing. Every request runs a *script*: a list of ste
 
 A ``Send`` before any ``Status`` writes raw bytes (for malformed status lines).
 Framing picked by ``Status``: ``chunked=True`` adds ``Transfer-Encoding: chunked``;
-``chunked=False`` with a ``Content-Length`` header keeps the connection alive;
-``chunked=False`` without one adds ``Connection: close`` and closes after the body.
+``chunked=False`` with a ``Content-Length`` header keeps the connection alive, as does one with
+a ``Transfer-Encoding`` header (the script's Sends then frame the chunks themselves);
+``chunked=False`` without either adds ``Connection: close`` and closes after the body.
 
 Scripts come from ``FakeUpstream.enqueue`` (FIFO, per path) or, when none is
 queued, from the settable ``FakeUpstream.default(record) -> script``.
@@ -398,8 +399,10 @@ def _head(step: Status, framing: str) -> bytes:
 def _framing(step: Status) -> str:
     if step.chunked:
         return "chunked"
-    has_length = any(k.lower() == "content-length" for k in step.headers)
-    return "length" if has_length else "close"
+    # A Content-Length, or a Transfer-Encoding the script frames itself (raw chunks in its
+    # Sends), delimits the body: the connection stays open after it.
+    framed = any(k.lower() in ("content-length", "transfer-encoding") for k in step.headers)
+    return "length" if framed else "close"
 
 
 def _reset(sock: socket.socket) -> None:

@@ -419,6 +419,24 @@ def test_a_stream_that_said_done_is_whole_though_its_body_was_cut(gateway, fake,
     assert_books_balance(engine, org.id)
 
 
+def test_a_backend_connection_serves_the_next_stream_once_one_is_read_to_its_end(
+        start_gw, fake, org):
+    # The chunked body read to its last chunk and trailer section leaves the connection
+    # ready for the next request (gateway/backends/chunked.py closes http.client's response).
+    gw = start_gw(workers=1)
+    for ext, trailer in ((b"", b""), (b";note=1", b"X-Checksum: 0\r\n")):
+        events = b"".join(b"data: %s\n\n" % json.dumps(c).encode() for c in (
+            chat_chunk("a"), chat_chunk(finish_reason="stop"))) + b"data: [DONE]\n\n"
+        body = b"%x%s\r\n%s\r\n0\r\n%s\r\n" % (len(events), ext, events, trailer)
+        fake.enqueue([Status(200, {"Content-Type": "text/event-stream",
+                                   "Transfer-Encoding": "chunked"}, chunked=False),
+                      Send(body)])
+        raw = RawStream(gw.base_url, org.key, stream_body()).read_all()
+        assert raw.status == 200 and raw.body.endswith(b"data: [DONE]\n\n"), raw.body
+    chats = [r for r in fake.requests if r.path == "/v1/chat/completions"][-2:]
+    assert chats[0].conn_id == chats[1].conn_id
+
+
 def test_a_whole_reply_whose_choice_index_is_not_an_integer_is_the_backends_error(
         gateway, fake, org, engine):
     reply = chat_completion("a")

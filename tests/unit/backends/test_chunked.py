@@ -1,0 +1,60 @@
+"""The chunked coding's framing stripped from bytes in any pieces (gateway/backends/chunked.py;
+RFC 9112, section 7.1)."""
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gateway.backends.chunked import ChunkedBodyError, Dechunker
+
+datas = st.lists(st.binary(min_size=1, max_size=300), max_size=12)
+extensions = st.sampled_from([b"", b";name=value", b'; q="a;b"', b" ;x"])
+trailers = st.lists(st.sampled_from([b"X-Usage: 3\r\n", b"Expires: 0\r\n"]), max_size=2)
+
+
+def encode(chunks, ext=b"", trailer=(), upper=False, newline=b"\r\n"):
+    out = b""
+    for data in chunks:
+        size = b"%x" % len(data)
+        out += (size.upper() if upper else size) + ext + newline + data + newline
+    return out + b"0" + ext + newline + b"".join(trailer) + newline
+
+
+def feed_in_pieces(body, cuts):
+    d, out = Dechunker(), b""
+    points = sorted({c % (len(body) + 1) for c in cuts} | {0, len(body)})
+    for a, b in zip(points, points[1:], strict=False):
+        out += d.feed(body[a:b])
+    return d, out
+
+
+@settings(max_examples=300, deadline=None)
+@given(datas, extensions, trailers, st.booleans(), st.sampled_from([b"\r\n", b"\n"]),
+       st.lists(st.integers(0, 10_000), max_size=30), st.binary(max_size=5))
+def test_any_cut_of_any_chunked_body_gives_its_data(chunks, ext, trailer, upper, newline,
+                                                    cuts, after):
+    body = encode(chunks, ext, trailer, upper, newline)
+    d, out = feed_in_pieces(body + after, cuts)
+    assert out == b"".join(chunks)
+    assert d.done and d.extra == after
+
+
+def test_data_is_given_as_it_arrives_not_when_its_chunk_is_whole():
+    d = Dechunker()
+    assert d.feed(b"a\r\nhello") == b"hello"
+    assert d.feed(b"wor") == b"wor"
+    assert d.feed(b"ld\r\n3\r\nabc\r\n") == b"ldabc"
+    assert not d.done
+    assert d.feed(b"0\r\n\r\n") == b"" and d.done
+
+
+@pytest.mark.parametrize("body", [
+    b"zz\r\nab\r\n",              # not hex
+    b"0x2\r\nab\r\n",             # a prefix int() would take
+    b"-2\r\nab\r\n",
+    b"\r\nab\r\n",                # no size
+    b"2\r\nabX\r\n",              # the chunk's data runs past its size
+    b"1" * 70_000,                # a size line without end
+])
+def test_malformed_framing_is_an_error(body):
+    with pytest.raises(ChunkedBodyError):
+        Dechunker().feed(body)
