@@ -54,14 +54,18 @@ def assert_billed_once(engine, org, gids, costs, before):
     return events
 
 
-def stored_ids(engine, org_id, expect=None):
+def stored_ids(engine, org_id, expect=None, live=False):
     """The ids of the org's stored responses (table ``stored_responses``). With ``expect`` (a
     set), first wait up to 10 s for them to be that: a worker writes a response's row after its
-    answer has left (docs/RESPONSES.md, "Stored responses")."""
+    answer has left (docs/RESPONSES.md, "Stored responses"). With ``live``, only the rows not
+    expired: a deleted response's row stays, expired, until the sweep."""
+    live_only = " AND expires_at > now()" if live else ""
+
     def read():
         with engine.connect() as conn:
             return {r[0] for r in conn.execute(sa.text(
-                "SELECT id FROM stored_responses WHERE org_id = :o"), {"o": org_id})}
+                "SELECT id FROM stored_responses WHERE org_id = :o" + live_only),
+                {"o": org_id})}
     if expect is not None:
         deadline = time.monotonic() + 10
         while read() != expect and time.monotonic() < deadline:
