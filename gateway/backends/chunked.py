@@ -41,18 +41,22 @@ def chunked_reader(resp):
 
 def read_chunks(resp, fp, read_size):
     """Yield the data of ``resp``'s chunked body as it arrives: each read of its connection's
-    buffered reader ``fp`` (:func:`chunked_reader`, up to ``read_size`` bytes: what has arrived)
-    gives the data of every chunk, or part of one, it holds. At the end, close http.client's
-    response (the connection may be reused).
+    buffered reader ``fp`` (:func:`chunked_reader`: what has arrived, up to ``read_size`` bytes
+    and the reader's buffer size) gives the data of every chunk, or part of one, it holds. At
+    the end, close http.client's response (the connection may be reused).
 
     :raises ChunkedBodyError: malformed framing, or the connection closed before the end.
     :raises TimeoutError: the socket's read timeout passed with nothing read.
     """
     body = Dechunker()
     while not body.done:
-        read = fp.read1(read_size)
-        if not read:
+        # A quiet backend is waited for in the reader's own buffer (``peek``: one read of the
+        # connection into it), then what it holds is taken. ``read1`` alone, on an empty
+        # buffer, reads into a new object of ``read_size`` bytes, held as long as the backend
+        # is quiet: 10 KiB more memory per open stream (bench/RESULTS.md, bursts).
+        if not fp.peek(1):
             raise ChunkedBodyError("the connection closed before the body's last chunk")
+        read = fp.read1(read_size)
         data = body.feed(read)
         if data:
             yield data

@@ -1,10 +1,19 @@
 """The chunked coding's framing stripped from bytes in any pieces (gateway/backends/chunked.py;
 RFC 9112, section 7.1)."""
+import linecache
+import socket
+import sys
+import threading
+import time
+import tracemalloc
+from types import SimpleNamespace
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.backends.chunked import ChunkedBodyError, Dechunker
+from gateway.backends import chunked
+from gateway.backends.chunked import ChunkedBodyError, Dechunker, read_chunks
 
 datas = st.lists(st.binary(min_size=1, max_size=300), max_size=12)
 extensions = st.sampled_from([b"", b";name=value", b'; q="a;b"', b" ;x"])
@@ -58,3 +67,43 @@ def test_data_is_given_as_it_arrives_not_when_its_chunk_is_whole():
 def test_malformed_framing_is_an_error(body):
     with pytest.raises(ChunkedBodyError):
         Dechunker().feed(body)
+
+
+def test_a_quiet_backend_is_waited_for_without_a_read_sized_buffer():
+    # 10,000 open streams wait on quiet backends at once: each wait must not hold a new object
+    # of the read's size (64 KiB), as BufferedReader.read1 does on an empty buffer.
+    ours, backend = socket.socketpair()
+    fp = ours.makefile("rb")
+    closed = []
+    resp = SimpleNamespace(raw=SimpleNamespace(
+        _original_response=SimpleNamespace(close=lambda: closed.append(True))))
+    reads, got = read_chunks(resp, fp, 65536), []
+    backend.sendall(b"5\r\nhello\r\n")
+    assert next(reads) == b"hello"
+    tracemalloc.start(5)
+    try:
+        reader = threading.Thread(target=lambda: got.extend(reads))
+        reader.start()
+        deadline = time.monotonic() + 10
+        while not _waiting_in_read_chunks(reader) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert _waiting_in_read_chunks(reader)
+        held = [t for t in tracemalloc.take_snapshot().traces
+                if t.size >= 32768 and any(f.filename == chunked.__file__ for f in t.traceback)]
+    finally:
+        tracemalloc.stop()
+    backend.sendall(b"5\r\nworld\r\n0\r\n\r\n")
+    reader.join(10)
+    ours.close(), backend.close()
+    assert held == []
+    assert got == [b"world"] and closed == [True]
+
+
+def _waiting_in_read_chunks(thread):
+    frame = sys._current_frames().get(thread.ident)
+    while frame is not None:
+        if frame.f_code is read_chunks.__code__:  # on the line of its read of the connection
+            line = linecache.getline(frame.f_code.co_filename, frame.f_lineno)
+            return "peek(" in line or "read1(" in line
+        frame = frame.f_back
+    return False
