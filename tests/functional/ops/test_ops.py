@@ -60,6 +60,33 @@ def test_gunicorn_config_is_right_for_long_streams_under_gevent():
     assert "'stream': 'ext://sys.stdout'" in cfg["logconfig_dict"]
 
 
+ACCESS_PROBE = """
+import runpy, sys
+from gunicorn.config import Config
+conf = runpy.run_path(sys.argv[1])
+cfg = Config()
+cfg.set("logconfig_dict", conf["logconfig_dict"])
+class Untouchable:
+    def __getattr__(self, name):
+        raise LookupError(name)
+for cls in (conf["NoAccessLog"], conf["Logger"]):
+    try:
+        cls(cfg).access(Untouchable(), Untouchable(), {}, Untouchable())
+        print(cls.__name__, "untouched")
+    except LookupError:
+        print(cls.__name__, "touched")
+"""
+
+
+def test_gunicorn_builds_no_access_log_line():
+    # With logconfig_dict set, gunicorn's own logger builds every request's access-log atoms
+    # (reading the request and response) for a logger with no handler; Kiln's does not.
+    assert "NoAccessLog" in effective_config()["logger_class"]
+    out = subprocess.run([sys.executable, "-c", ACCESS_PROBE, str(GUNICORN_CONF)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60, check=True).stdout
+    assert out.split("\n")[:2] == ["NoAccessLog untouched", "Logger touched"]
+
+
 def test_gunicorn_config_follows_the_environment():
     cfg = effective_config(KILN_WORKERS="3", KILN_GRACEFUL_TIMEOUT="7", KILN_WORKER_TIMEOUT="9",
                            KILN_MAX_REQUESTS="1000", KILN_WORKER_CONNECTIONS="321",
