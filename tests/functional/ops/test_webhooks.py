@@ -181,6 +181,9 @@ def test_credits_refused_once_between_grants_by_a_cli_webhook(start, receiver, w
     assert len(rows) == 2
     sent = wait_until(lambda: len(got := receiver.at("/refused")) >= 2 and got,
                       timeout_s=DEADLINE_S)
+    # Both can be claimed in one poll and sent at once: their ids give the order they happened.
+    assert sorted(d.id for d in sent) == sorted(f"msg_{r['id']}" for r in rows)
+    sent = sorted(sent, key=lambda d: int(d.id.removeprefix("msg_")))
     events = [verify(secret, d) for d in sent]
     assert [e["type"] for e in events] == ["credits.refused"] * 2
     assert events[0]["data"]["balance_usd"] == "0.000100000"
