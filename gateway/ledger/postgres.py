@@ -6,14 +6,12 @@ connection, also through pgbouncer in transaction mode, where protocol-level pre
 need pgbouncer 1.21 or later (Kiln turns psycopg's off; ``gateway.db``). Row locks are taken in
 the order the package docstring gives.
 """
-import json
-
-import orjson
 import psycopg
 import sqlalchemy as sa
 
 from ..errors import ServiceUnavailable
 from ..endings import Status
+from .responses import dumps  # JSON text: orjson, the standard library for what it refuses
 
 # The usage-event statuses the functions below name, spelled by the one enum of them.
 PENDING, ABANDONED, COMPLETED, CANCELLED, INTERRUPTED = (
@@ -351,16 +349,6 @@ _EXPIRED = """SELECT f.generation_id AS gid, e.org_id AS org, e.api_key_id AS ke
  LIMIT %s"""
 
 
-def _batch_json(records):
-    """JSON text of a batch of records (``kiln_admit_batch``'s, ``kiln_settle``'s): orjson,
-    or the standard library for what orjson refuses (an integer past 64 bits: Postgres then
-    refuses the value, and the batch is split, :mod:`.worker`)."""
-    try:
-        return orjson.dumps(records).decode()
-    except TypeError:  # orjson.JSONEncodeError is one
-        return json.dumps(records)
-
-
 class PostgresStore:
     """The ledger's statements on Postgres (one round trip each).
 
@@ -408,7 +396,7 @@ class PostgresStore:
         order (None where the org has no balance row)."""
         if len(requests) == 1:
             return [self.admit_once(requests[0])]
-        batch = _batch_json([{"gid": a.gid, "org": a.org_id, "key": a.key_id, "model": a.model,
+        batch = dumps([{"gid": a.gid, "org": a.org_id, "key": a.key_id, "model": a.model,
                              "stream": a.stream, "hold": a.hold_nanos,
                              "limit": a.in_flight_limit, "ttl": a.lease_ttl_s,
                              "key_checks": a.key_checks, "endpoint": a.endpoint}
@@ -427,7 +415,7 @@ class PostgresStore:
         commit survived a crash is not debited twice, and one whose commit was lost with the
         crash is written again.
         """
-        batch = _batch_json([s.as_record() for s in settlements])
+        batch = dumps([s.as_record() for s in settlements])
         return dict(self._call(_SETTLE_CALL, (batch,), then=_DURABLE))
 
     def renew(self, leases, lease_ttl_s):
