@@ -12,7 +12,6 @@ import logging
 from datetime import timedelta
 from decimal import Decimal
 
-import orjson
 from flask import Blueprint, Response, current_app, g, request
 
 from ..endings import Status
@@ -41,20 +40,11 @@ def create_response():
     services, dialect, org_id = current_app.extensions["kiln"], codec(), g.principal.org_id
 
     def parse(body, body_bytes):
-        history = _history(services, body)
-        if history:  # the carried items count in the hold's prompt bound like any input
-            body_bytes += _json_size(history)
-        return dialect.parse(body, services.catalog, body_bytes, history)
+        # The codec counts the carried items in the hold's prompt bound (and the context
+        # window's check), like any input.
+        return dialect.parse(body, services.catalog, body_bytes, _history(services, body))
     return generate(dialect, parse,
                     lambda chat: _store(services, org_id, chat) if chat.store else None)
-
-
-def _json_size(value):
-    """Bytes of ``value`` as compact JSON (orjson; the standard library for what it refuses)."""
-    try:
-        return len(orjson.dumps(value, default=str))
-    except TypeError:  # orjson.JSONEncodeError is one
-        return len(json.dumps(value, separators=(",", ":"), default=str).encode())
 
 
 def _history(services, body):

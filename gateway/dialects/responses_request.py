@@ -18,6 +18,8 @@ import secrets
 import time
 from dataclasses import dataclass, field
 
+import orjson
+
 from ..contract.validation import ChatRequest, require_string, validate_chat
 from ..errors import InvalidRequest, UnknownParameter, UnsupportedParameter
 from ..models import new_response_id
@@ -139,7 +141,7 @@ def parse(body, catalog, body_bytes, history=None, store_default=True):
         chat["stream"] = body["stream"]
         if chat["stream"] is True:
             chat["stream_options"] = {"include_usage": True}
-    history_bytes = len(json.dumps(history).encode()) if history else 0
+    history_bytes = _json_size(history) if history else 0
     try:
         checked = validate_chat(chat, catalog, body_bytes + history_bytes)
     except InvalidRequest as err:
@@ -156,6 +158,14 @@ def parse(body, catalog, body_bytes, history=None, store_default=True):
         created_at=int(time.time()),
         echo=_echo(body, tools, choice), dropped_tools=dropped, input_items=b.stored,
         store=store, previous_response_id=previous)
+
+
+def _json_size(value):
+    """Bytes of ``value`` as compact JSON (orjson; the standard library for what it refuses)."""
+    try:
+        return len(orjson.dumps(value, default=str))
+    except TypeError:  # orjson.JSONEncodeError is one
+        return len(json.dumps(value, separators=(",", ":"), default=str).encode())
 
 
 def _check_fields(body, extra):

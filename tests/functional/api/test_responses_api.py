@@ -158,6 +158,19 @@ def test_previous_response_id_carries_the_chain_and_the_stored_api(client, fake,
         sum(Decimal(str(c)) * 10**9 for c in costs)
 
 
+def test_a_carried_history_counts_once_against_the_context_window(client, fake, org):
+    # fake-model: 8,192 tokens of context, refused above 64 bytes a token (524,288 bytes).
+    long_text = "word " * 60_000  # 300,000 bytes: fits once, not twice
+    r1 = client.responses.create(model="fake-model", input=long_text)
+    r2 = client.responses.create(model="fake-model", input="Go on.", previous_response_id=r1.id)
+    assert r2.status == "completed"
+    assert upstream_messages(fake)[0]["content"][0]["text"] == long_text
+    with pytest.raises(openai.BadRequestError) as err:  # history and input together do not fit
+        client.responses.create(model="fake-model", input=long_text, previous_response_id=r2.id)
+    assert err.value.body["code"] == "context_length_exceeded"
+    assert len(fake.requests) == 2
+
+
 def test_input_items_pages(client, fake, org):
     parts = [{"role": "user", "content": f"line {i}"} for i in range(5)]
     resp = client.responses.create(model="fake-model", input=parts)
