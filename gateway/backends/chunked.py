@@ -12,7 +12,7 @@ together, and what has arrived of a chunk is never held back.
 
 Only a body that nothing has read yet, chunked, with no content coding, is read here
 (:func:`chunked_reader`); any other is read by the caller with ``read1``. Once the last chunk
-and its trailer section are in, :func:`read_chunks` closes http.client's response, as urllib3
+and its trailer section are in, :class:`ChunkedBody` closes http.client's response, as urllib3
 does at the end of its own chunk reader, so that the connection can serve another request.
 """
 import http.client
@@ -39,31 +39,59 @@ def chunked_reader(resp):
     return fp
 
 
-def read_chunks(resp, fp, read_size):
-    """Yield the data of ``resp``'s chunked body as it arrives: each read of its connection's
-    buffered reader ``fp`` (:func:`chunked_reader`: what has arrived, up to ``read_size`` bytes
-    and the reader's buffer size) gives the data of every chunk, or part of one, it holds. At
-    the end, close http.client's response (the connection may be reused).
+class ChunkedBody:
+    """``resp``'s chunked body (a ``requests`` response read with ``stream=True``), read as it
+    arrives from its connection's buffered reader ``fp`` (:func:`chunked_reader`) by whichever
+    greenlet calls :meth:`read`.
 
-    :raises ChunkedBodyError: malformed framing, or the connection closed before the end.
-    :raises TimeoutError: the socket's read timeout passed with nothing read.
+    An exception raised into that greenlet while it waits for the backend (a
+    :class:`gevent.Timeout`, a kill) leaves the body as it was: nothing is taken from the
+    connection before the wait ends, so the next :meth:`read` goes on where this one stopped
+    (the relay waits this way, with its keepalive timer: :mod:`.relay`).
+
+    :param read_size: the most bytes taken at once (also bounded by the reader's buffer).
     """
-    body = Dechunker()
-    while not body.done:
-        # A quiet backend is waited for in the reader's own buffer (``peek``: one read of the
-        # connection into it), then what it holds is taken. ``read1`` alone, on an empty
-        # buffer, reads into a new object of ``read_size`` bytes, held as long as the backend
-        # is quiet: 10 KiB more memory per open stream (bench/RESULTS.md, bursts).
-        if not fp.peek(1):
-            raise ChunkedBodyError("the connection closed before the body's last chunk")
-        read = fp.read1(read_size)
-        data = body.feed(read)
-        if data:
-            yield data
-    if body.extra:  # bytes after the body's end: the connection serves no other request
-        resp.raw.close()
-    else:
-        resp.raw._original_response.close()
+
+    __slots__ = ("_resp", "_fp", "_read_size", "_body")
+
+    def __init__(self, resp, fp, read_size):
+        self._resp, self._fp, self._read_size = resp, fp, read_size
+        self._body = Dechunker()
+
+    @property
+    def done(self):
+        """The last chunk and its trailer section are in."""
+        return self._body.done
+
+    def read(self):
+        """Return the data of every chunk, or part of one, that has arrived (bytes), waiting
+        for some; ``b""`` once the body has ended. At the end, close http.client's response
+        (the connection may be reused).
+
+        :raises ChunkedBodyError: malformed framing, or the connection closed before the end.
+        :raises TimeoutError: the socket's read timeout passed with nothing read.
+        """
+        body, fp = self._body, self._fp
+        while not body.done:
+            # A quiet backend is waited for in the reader's own buffer (``peek``: one read of
+            # the connection into it), then what it holds is taken. ``read1`` alone, on an
+            # empty buffer, reads into a new object of ``read_size`` bytes, held as long as the
+            # backend is quiet: 10 KiB more memory per open stream (bench/RESULTS.md, bursts).
+            if not fp.peek(1):
+                raise ChunkedBodyError("the connection closed before the body's last chunk")
+            data = body.feed(fp.read1(self._read_size))
+            if body.done:
+                self._end()
+                return data
+            if data:
+                return data
+        return b""
+
+    def _end(self):
+        if self._body.extra:  # bytes after the body's end: the connection serves no other
+            self._resp.raw.close()
+        else:
+            self._resp.raw._original_response.close()
 
 
 class Dechunker:

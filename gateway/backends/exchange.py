@@ -15,7 +15,8 @@ import gevent
 from . import upstream
 from ..errors import UpstreamTooLarge
 from .client import ClientGone, ClientWatch
-from .relay import Pump, UpstreamCall, keepalives_until_answered
+from .chunked import ChunkedBody, chunked_reader
+from .relay import READ_SIZE, Pump, StreamReader, UpstreamCall, keepalives_until_answered
 from .spans import NO_SPANS
 
 log = logging.getLogger("kiln.requests")
@@ -155,9 +156,17 @@ class Exchange:
 
     def take(self):
         """Take the stream's answer (:meth:`answer`): what the backend produces from now on is
-        billed. Return the :class:`~gateway.backends.relay.Pump` that reads its body."""
+        billed. Return what reads its body: a chunked body (the usual stream) in the relay's
+        own greenlet (:class:`~gateway.backends.relay.StreamReader`), any other in the call's
+        (:class:`~gateway.backends.relay.Pump`)."""
         self.accepted = True
-        self.pump = Pump(self.call, self.timeouts.idle_s)
+        resp = self.call.response
+        fp = chunked_reader(resp)
+        if fp is not None:
+            self.pump = StreamReader(self.call, ChunkedBody(resp, fp, READ_SIZE),
+                                     self.timeouts.idle_s)
+        else:
+            self.pump = Pump(self.call, self.timeouts.idle_s)
         return self.pump
 
     def finish(self, keep_connection):

@@ -1,21 +1,21 @@
-"""The backend's side of one generation's I/O: the upstream call, the pump that reads a stream,
-and the stream relay. Nothing here knows about money; the flow (:mod:`gateway.flow.generation`)
-passes callbacks.
+"""The backend's side of one generation's I/O: the upstream call, what reads a stream (the relay
+itself for a chunked body, else a pump), and the stream relay. Nothing here knows about money;
+the flow (:mod:`gateway.flow.generation`) passes callbacks.
 
 README "Streaming" is the contract: events relayed as bytes arrive, ``: keepalive`` comments
 while the backend is silent, the backend's request closed when the client leaves (so the model
-stops; :mod:`.client` notices), and the backend read no faster than the client reads (a bounded
-queue between them).
+stops; :mod:`.client` notices), and the backend read no faster than the client reads (the
+relay reads only between its writes, or a bounded queue between a pump and it).
 """
 import time
 
 import gevent
+from gevent import Timeout
 from gevent.event import AsyncResult, Event
 from gevent.queue import Empty
 from urllib3.exceptions import ReadTimeoutError
 
 from . import upstream
-from .chunked import chunked_reader, read_chunks
 from .client import ClientGone
 from .sse import KEEPALIVE, EventSplitter, EventTooLarge
 
@@ -41,8 +41,9 @@ class StreamFailed(Exception):
 
 class UpstreamCall:
     """One request to a backend, sent from its own greenlet and abortable from any other. A
-    stream's body is then read in that same greenlet (:class:`Pump`): one greenlet per open
-    stream on the backend side, not two (each costs its own stack, bench/RESULTS.md, bursts).
+    chunked stream's body is then read by the relay itself (:class:`StreamReader`) and this
+    greenlet ends; any other body is read in it (:class:`Pump`). Each greenlet costs its own
+    stack and frames (bench/RESULTS.md, bursts).
 
     :param open_response: ``() -> response``: sends the request (retrying on other backends,
         :meth:`gateway.backends.fleet.Route.open`) and returns the 2xx response once its status
@@ -72,10 +73,12 @@ class UpstreamCall:
             upstream.shutdown(resp)  # the abort came while the status line was on its way
             return
         self._taken.wait()  # until the flow takes the answer (or closes the call: a kill)
-        self._read(resp)
+        if self._read is not None:
+            self._read(resp)
 
     def read_with(self, read):
-        """Read the answer's body with ``read(response)`` in the call's greenlet (once)."""
+        """Read the answer's body with ``read(response)`` in the call's greenlet (once); None:
+        the caller reads it, and the call's greenlet ends."""
         self._read = read
         self._taken.set()
 
@@ -185,8 +188,9 @@ class Chunks:
 
 
 class Pump:
-    """Reads a backend's body into a bounded queue (content decoded), in the greenlet of the
-    :class:`UpstreamCall` that sent the request.
+    """Reads a backend's body that is not plainly chunked (a length, or a content coding) into
+    a bounded queue, decoded, in the greenlet of the :class:`UpstreamCall` that sent the
+    request (a plainly chunked one, the usual stream, is read by :class:`StreamReader`).
 
     When the queue is full the pump waits, so a client that stops reading stops Kiln reading the
     backend: TCP back-pressure reaches the model server instead of memory growing here.
@@ -202,11 +206,7 @@ class Pump:
     def _run(self, resp):
         queue = self.queue
         try:
-            # What has arrived, also part of an HTTP chunk: a chunked body through Kiln's own
-            # reader (a third less CPU per chunk, :mod:`.chunked`), any other through urllib3.
-            fp = chunked_reader(resp)
-            reads = read_chunks(resp, fp, READ_SIZE) if fp is not None else _reads(resp.raw)
-            for data in reads:
+            for data in _reads(resp.raw):
                 queue.put((DATA, data), len(data))
             self.complete = True
             queue.put((EOF, None))
@@ -226,6 +226,104 @@ class Pump:
             while not self.queue.empty():
                 self.queue.get_nowait()
             self.queue.put_nowait((FAILED, reason))
+
+
+class _Quiet(BaseException):
+    """Raised into the relay's read when the wait it was given ends (the keepalive's turn)."""
+
+
+class _Woken(BaseException):
+    """Raised into the relay's read by :meth:`StreamReader.stop` from another greenlet."""
+
+
+class StreamReader:
+    """Reads a backend's chunked stream in the relay's own greenlet (the request's): one
+    greenlet per open stream, where a :class:`Pump` adds the call's (bench/RESULTS.md,
+    bursts). The backend is read only when the relay asks, so it is read no faster than the
+    client takes what was sent (README "Streaming": TCP back-pressure reaches the model server).
+
+    It is the relay's queue (:func:`relay_stream` reads ``reader.queue``): :meth:`get` waits up
+    to a timeout and returns everything that has arrived, and nothing is ever queued behind
+    it. Its wait is the socket's own: the keepalive's timeout is raised into it, and so is a
+    :meth:`stop` from another greenlet (the client left, the gateway shuts down), which
+    returns only once the relay is out of the read (a response closed under a read fails).
+
+    :param call: the :class:`UpstreamCall`, whose greenlet ends at once.
+    :param body: the response's :class:`~gateway.backends.chunked.ChunkedBody`.
+    :param idle_s: the socket's read timeout (for the message).
+    """
+
+    __slots__ = ("queue", "idle_s", "complete", "_body", "_end", "_reason", "_reader",
+                 "_left")
+
+    def __init__(self, call, body, idle_s):
+        self.queue = self
+        self.idle_s = idle_s
+        self.complete = False  # the body was read to its end
+        self._body = body
+        self._end = None      # the last item, once the stream has ended or failed
+        self._reason = None   # what stop() handed in
+        self._reader = None   # the greenlet inside a read, while it is
+        self._left = None     # set when that greenlet leaves the read (stop() waits for it)
+        call.read_with(None)
+
+    def get(self, timeout=None):
+        """Return ``(DATA, bytes)`` as soon as the backend has sent some, ``(EOF, None)`` at
+        the body's end or ``(FAILED, error)``; raise :class:`~gevent.queue.Empty` after
+        ``timeout`` seconds of silence."""
+        if self._reason is not None:
+            self._end, self._reason = (FAILED, self._reason), None
+        if self._end is not None:
+            return self._end
+        self._reader = gevent.getcurrent()
+        try:
+            with Timeout(timeout, _Quiet):
+                data = self._body.read()
+        except _Quiet:
+            raise Empty() from None
+        except _Woken:
+            self._end = (FAILED, self._reason or StreamFailed("The stream was stopped."))
+            return self._end
+        except (ReadTimeoutError, TimeoutError):
+            self._end = (FAILED, StreamFailed(f"The model backend sent nothing for "
+                                              f"{self.idle_s:g} s (idle timeout).",
+                                              kind="timeout"))
+            return self._end
+        except Exception as err:  # noqa: BLE001 - any read failure ends the stream as an error
+            self._end = (FAILED, self._reason or StreamFailed(
+                f"The model backend connection failed: {type(err).__name__}."))
+            return self._end
+        finally:
+            self._reader = None
+            if self._left is not None:
+                self._left.set()
+        if data:
+            return DATA, data
+        self.complete = True
+        self._end = (EOF, None)
+        return self._end
+
+    def peek_nowait(self):
+        raise Empty()  # a get takes all that has arrived: nothing waits behind it
+
+    def stop(self, reason=None):
+        """Stop reading; with ``reason`` (an exception), the relay's next :meth:`get` returns
+        it. A relay waiting in a read is woken and out of it when this returns."""
+        if reason is not None and self._end is None:
+            self._reason = reason
+        reader = self._reader
+        if reader is None or reader is gevent.getcurrent():
+            return
+        if self._left is None:
+            self._left = Event()
+        hub = gevent.get_hub()
+        hub.loop.run_callback(self._wake)
+        if gevent.getcurrent() is not hub:
+            self._left.wait()
+
+    def _wake(self):  # in the hub: raise into the read only if the relay is still in it
+        if self._reader is not None:
+            self._reader.throw(_Woken)
 
 
 def _reads(raw):

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway.backends import chunked
-from gateway.backends.chunked import ChunkedBodyError, Dechunker, read_chunks
+from gateway.backends.chunked import ChunkedBody, ChunkedBodyError, Dechunker
 
 datas = st.lists(st.binary(min_size=1, max_size=300), max_size=12)
 extensions = st.sampled_from([b"", b";name=value", b'; q="a;b"', b" ;x"])
@@ -77,17 +77,17 @@ def test_a_quiet_backend_is_waited_for_without_a_read_sized_buffer():
     closed = []
     resp = SimpleNamespace(raw=SimpleNamespace(
         _original_response=SimpleNamespace(close=lambda: closed.append(True))))
-    reads, got = read_chunks(resp, fp, 65536), []
+    body, got = ChunkedBody(resp, fp, 65536), []
     backend.sendall(b"5\r\nhello\r\n")
-    assert next(reads) == b"hello"
+    assert body.read() == b"hello"
     tracemalloc.start(5)
     try:
-        reader = threading.Thread(target=lambda: got.extend(reads))
+        reader = threading.Thread(target=lambda: got.extend(iter(body.read, b"")))
         reader.start()
         deadline = time.monotonic() + 10
-        while not _waiting_in_read_chunks(reader) and time.monotonic() < deadline:
+        while not _waiting_in_a_read(reader) and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert _waiting_in_read_chunks(reader)
+        assert _waiting_in_a_read(reader)
         held = [t for t in tracemalloc.take_snapshot().traces
                 if t.size >= 32768 and any(f.filename == chunked.__file__ for f in t.traceback)]
     finally:
@@ -99,10 +99,10 @@ def test_a_quiet_backend_is_waited_for_without_a_read_sized_buffer():
     assert got == [b"world"] and closed == [True]
 
 
-def _waiting_in_read_chunks(thread):
+def _waiting_in_a_read(thread):
     frame = sys._current_frames().get(thread.ident)
     while frame is not None:
-        if frame.f_code is read_chunks.__code__:  # on the line of its read of the connection
+        if frame.f_code is ChunkedBody.read.__code__:  # on the line of its read of the connection
             line = linecache.getline(frame.f_code.co_filename, frame.f_lineno)
             return "peek(" in line or "read1(" in line
         frame = frame.f_back
