@@ -58,6 +58,10 @@ class ChunkedBody:
         self._resp, self._fp, self._read_size = resp, fp, read_size
         self._body = Dechunker()
 
+    def fileno(self):
+        """The connection's socket descriptor (to wait for it to be readable)."""
+        return self._fp.fileno()
+
     @property
     def done(self):
         """The last chunk and its trailer section are in."""

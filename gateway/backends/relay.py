@@ -7,11 +7,13 @@ while the backend is silent, the backend's request closed when the client leaves
 stops; :mod:`.client` notices), and the backend read no faster than the client reads (the
 relay reads only between its writes, or a bounded queue between a pump and it).
 """
+import select
 import time
 
 import gevent
 from gevent import Timeout
 from gevent.event import AsyncResult, Event
+from gevent.monkey import get_original
 from gevent.queue import Empty
 from urllib3.exceptions import ReadTimeoutError
 
@@ -26,6 +28,7 @@ READ_SIZE = 65536
 QUEUE_CHUNKS = 64
 QUEUE_BYTES = 65536
 DATA, EOF, FAILED = "data", "eof", "failed"
+_real_poll = get_original("select", "poll")  # with timeout 0 it never blocks the hub
 
 
 class StreamFailed(Exception):
@@ -253,7 +256,7 @@ class StreamReader:
     :param idle_s: the socket's read timeout (for the message).
     """
 
-    __slots__ = ("queue", "idle_s", "complete", "_body", "_end", "_reason", "_reader",
+    __slots__ = ("queue", "idle_s", "complete", "_body", "_fd", "_end", "_reason", "_reader",
                  "_left")
 
     def __init__(self, call, body, idle_s):
@@ -261,6 +264,7 @@ class StreamReader:
         self.idle_s = idle_s
         self.complete = False  # the body was read to its end
         self._body = body
+        self._fd = body.fileno()
         self._end = None      # the last item, once the stream has ended or failed
         self._reason = None   # what stop() handed in
         self._reader = None   # the greenlet inside a read, while it is
@@ -268,40 +272,58 @@ class StreamReader:
         call.read_with(None)
 
     def get(self, timeout=None):
-        """Return ``(DATA, bytes)`` as soon as the backend has sent some, ``(EOF, None)`` at
-        the body's end or ``(FAILED, error)``; raise :class:`~gevent.queue.Empty` after
-        ``timeout`` seconds of silence."""
+        """Return ``(DATA, bytes)`` as soon as the backend has sent some (what has arrived, up
+        to :data:`READ_SIZE`: one write to the client for all of it, as a pump's queue gives),
+        ``(EOF, None)`` at the body's end or ``(FAILED, error)``; raise
+        :class:`~gevent.queue.Empty` after ``timeout`` seconds of silence."""
         if self._reason is not None:
             self._end, self._reason = (FAILED, self._reason), None
         if self._end is not None:
             return self._end
+        body, fd = self._body, self._fd
         self._reader = gevent.getcurrent()
         try:
-            with Timeout(timeout, _Quiet):
-                data = self._body.read()
+            if _readable(fd):  # no wait, so no timer: a fast backend is read at once
+                data = body.read()
+            else:
+                with Timeout(timeout, _Quiet):
+                    data = body.read()
         except _Quiet:
             raise Empty() from None
         except _Woken:
             self._end = (FAILED, self._reason or StreamFailed("The stream was stopped."))
             return self._end
-        except (ReadTimeoutError, TimeoutError):
-            self._end = (FAILED, StreamFailed(f"The model backend sent nothing for "
-                                              f"{self.idle_s:g} s (idle timeout).",
-                                              kind="timeout"))
-            return self._end
         except Exception as err:  # noqa: BLE001 - any read failure ends the stream as an error
-            self._end = (FAILED, self._reason or StreamFailed(
-                f"The model backend connection failed: {type(err).__name__}."))
+            self._end = self._failed(err)
             return self._end
         finally:
             self._reader = None
             if self._left is not None:
                 self._left.set()
-        if data:
-            return DATA, data
-        self.complete = True
-        self._end = (EOF, None)
-        return self._end
+        if not data:
+            self.complete = True
+            self._end = (EOF, None)
+            return self._end
+        size = len(data)
+        if size < READ_SIZE and not body.done and _readable(fd):
+            parts = [data]
+            while size < READ_SIZE and not body.done and _readable(fd):
+                try:
+                    more = body.read()  # readable: the read does not wait
+                except Exception as err:  # noqa: BLE001 - told after what came before it
+                    self._end = self._failed(err)
+                    break
+                parts.append(more)
+                size += len(more)
+            data = b"".join(parts)
+        return DATA, data
+
+    def _failed(self, err):
+        if isinstance(err, (ReadTimeoutError, TimeoutError)):
+            return FAILED, StreamFailed(f"The model backend sent nothing for {self.idle_s:g} s "
+                                        f"(idle timeout).", kind="timeout")
+        return FAILED, self._reason or StreamFailed(
+            f"The model backend connection failed: {type(err).__name__}.")
 
     def peek_nowait(self):
         raise Empty()  # a get takes all that has arrived: nothing waits behind it
@@ -324,6 +346,13 @@ class StreamReader:
     def _wake(self):  # in the hub: raise into the read only if the relay is still in it
         if self._reader is not None:
             self._reader.throw(_Woken)
+
+
+def _readable(fd):
+    """Whether the socket ``fd`` has bytes (or its end) to read now."""
+    poller = _real_poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(0))
 
 
 def _reads(raw):

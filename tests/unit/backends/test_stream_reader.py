@@ -92,3 +92,10 @@ def test_nothing_is_queued_behind_a_read(stream):
     with pytest.raises(Empty):
         stream.reader.peek_nowait()
     assert stream.reader.queue is stream.reader  # the relay's queue is the reader itself
+
+
+def test_what_has_arrived_past_the_readers_buffer_is_one_item(stream):
+    piece = b"x" * 6000
+    stream.backend.sendall(b"".join(b"1770\r\n" + piece + b"\r\n" for _ in range(3)))
+    gevent.sleep(0.05)  # all of it in the socket: more than the reader's 8 KiB buffer
+    assert stream.reader.get(timeout=5) == (DATA, piece * 3)
