@@ -18,7 +18,7 @@ def create_app(config=None, environ=None):
     from .backends import health
     from .contract.image_hosts import HostResolver
     from .dialects.responses import ResponsesCodec
-    from .ledger.responses import ResponseWriter
+    from .ledger.responses import HistoryCache, ResponseWriter
     from .errors import register_error_handlers
     from .ops import lifecycle, tracing, webhooks
     if not isinstance(config, Config):
@@ -33,6 +33,7 @@ def create_app(config=None, environ=None):
         "kiln.responses_codec": ResponsesCodec(config.responses_store_default),
         "kiln.responses_writer": ResponseWriter(services.engine, config.db_pool_timeout_s + 1,
                                                 services.background),
+        "kiln.responses_history": HistoryCache(config.responses_cache_mb * 1024 * 1024),
         "kiln.parse_budget": intake.ParseBudget(config.parse_budget_bytes, config.parse_wait_s),
         "kiln.body_process": body_process.BodyProcesses(config.models, config.max_body_bytes,
                                                         intake.PARSERS),

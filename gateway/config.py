@@ -81,6 +81,9 @@ class Config:
     # true, as OpenAI's does, and how long a stored response is kept (then swept).
     responses_store_default: bool = True
     responses_retention_days: int = 30
+    # The items of stored responses each worker keeps parsed, in MiB of their rows' JSON, so
+    # that a continued conversation reads its chain's ids only (0: none kept).
+    responses_cache_mb: int = 8
     # Bounded work before admission (gateway/api/intake.py, gateway/api/auth.py): the longest a
     # request body may take to arrive (408); the bytes of large bodies one worker reads and
     # parses at once, and the longest wait for a share of them (then 503 with Retry-After); how

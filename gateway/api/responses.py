@@ -55,14 +55,15 @@ def _history(services, body):
         raise InvalidRequest("Invalid 'previous_response_id': expected a response id.",
                              param="previous_response_id", code="invalid_value")
     org_id = g.principal.org_id
-    return stored.written(lambda: stored.load_chain(services.engine, org_id, previous),
-                          services.engine, previous, _writer())
+    return stored.written(
+        lambda: stored.load_chain(services.engine, org_id, previous, cache=_history_cache()),
+        services.engine, previous, _writer())
 
 
 def _store(services, org_id, chat):
     """Return the flow's ``on_answer`` callback that keeps a completed response."""
     retention = timedelta(days=services.config.responses_retention_days)
-    writer = _writer()
+    writer, cache = _writer(), _history_cache()
 
     def keep(gid, outcome, tail, renderer):
         if outcome.status not in KEPT:
@@ -71,7 +72,7 @@ def _store(services, org_id, chat):
             json.loads(tail, parse_float=Decimal)
         try:
             stored.save(services.engine, org_id, response, chat.input_items, retention,
-                        generation_id=gid, writer=writer)
+                        generation_id=gid, writer=writer, cache=cache)
         except Exception as exc:  # noqa: BLE001 - the answer is paid for: it leaves unstored
             # The class only: a database error's text quotes the statement's parameters, which
             # hold the customer's content (never logged; docs/RESPONSES.md).
@@ -126,3 +127,7 @@ def _engine():
 
 def _writer():
     return current_app.extensions["kiln.responses_writer"]
+
+
+def _history_cache():
+    return current_app.extensions["kiln.responses_history"]

@@ -4,8 +4,9 @@ expires (docs/RESPONSES.md, "Stored responses").
 Each row holds one response object and the input items of its own request (JSON text), and
 names the response it continued (``previous_response_id``). :func:`load_chain` walks that chain
 in one recursive statement, so a continued conversation costs one round trip whatever its
-length. Every read and delete is scoped to the org: another org's id, an unknown id and an
-expired one are the same 404. Stored content is the customer's data: nothing here logs it.
+length; the items of links a worker already holds (:class:`HistoryCache`) are not read again.
+Every read and delete is scoped to the org: another org's id, an unknown id and an expired one
+are the same 404. Stored content is the customer's data: nothing here logs it.
 
 May import only ``gateway.ledger`` and the shared modules (models, db, errors, config).
 """
@@ -13,6 +14,7 @@ import json
 import logging
 import re
 import time
+from collections import OrderedDict
 from datetime import timedelta
 from decimal import Decimal
 
@@ -66,7 +68,11 @@ def _loads(text):
     return json.loads(text, parse_float=Decimal)
 
 
-_LONG_INTEGER = re.compile(r"[0-9]{20}")
+# Every digit read as 0, so that a run of 20 digits is a substring search: 2.5 times faster than
+# the regular expression [0-9]{20} over a 20-turn history (the search was 3.5 times orjson's
+# whole parse of it).
+_DIGITS_AS_ZERO = str.maketrans("123456789", "000000000")
+_LONG_INTEGER = "0" * 20
 
 
 def _items(text):
@@ -74,7 +80,7 @@ def _items(text):
     it, several times faster than the standard library; what orjson refuses (a lone surrogate's
     escape) or would read as a float (an integer of 20 digits or more) the standard library
     reads, as :func:`_loads` does."""
-    if not _LONG_INTEGER.search(text):
+    if _LONG_INTEGER not in text.translate(_DIGITS_AS_ZERO):
         try:
             return orjson.loads(text)
         except orjson.JSONDecodeError:
@@ -83,7 +89,7 @@ def _items(text):
 
 
 def save(engine, org_id, response, input_items, retention=DEFAULT_RETENTION,
-         generation_id=None, now=None, writer=None):
+         generation_id=None, now=None, writer=None, cache=None):
     """Store ``response`` (a Response object, dict) and its request's ``input_items``.
 
     With the worker's ``writer`` (:class:`ResponseWriter`, Postgres) the row is queued and this
@@ -96,15 +102,24 @@ def save(engine, org_id, response, input_items, retention=DEFAULT_RETENTION,
     durably). Without a writer (SQLite) the row is committed before this returns.
 
     :param retention: a ``timedelta``: the row expires that long after now.
+    :param cache: the worker's :class:`HistoryCache`, given the row's items once its JSON is
+        made (Postgres, with a writer).
     """
     now = now or utcnow()
+    if engine.dialect.name != "postgresql":
+        cache = None  # SQLite reads every chain whole (load_chain)
 
     def values():
-        return {"id": response["id"], "org_id": org_id, "generation_id": generation_id,
-                "created_at": now, "expires_at": now + retention,
-                "model": response.get("model") or "",
-                "previous_response_id": response.get("previous_response_id"),
-                "response": dumps(response), "input_items": dumps(input_items)}
+        row = {"id": response["id"], "org_id": org_id, "generation_id": generation_id,
+               "created_at": now, "expires_at": now + retention,
+               "model": response.get("model") or "",
+               "previous_response_id": response.get("previous_response_id"),
+               "response": dumps(response), "input_items": dumps(input_items)}
+        if cache is not None:
+            cache.put(row["id"], row["previous_response_id"],
+                      _history_items(input_items, response),
+                      len(row["response"]) + len(row["input_items"]))
+        return row
     if engine.dialect.name != "postgresql":
         with engine.begin() as conn:
             conn.execute(t.insert().values(**values()))
@@ -270,6 +285,81 @@ SELECT id, previous_response_id, response, input_items FROM chain ORDER BY depth
                  ).bindparams(sa.bindparam("now", type_=t.c.expires_at.type))
 
 
+# The same walk, on Postgres, without the content of the links the worker holds (``:known``,
+# an array of their ids): what is read again of a cached chain is its ids and that each link
+# is live and the org's.
+_CHAIN_KNOWN = sa.text("""
+WITH RECURSIVE chain AS (
+  SELECT id, previous_response_id,
+         CASE WHEN id = ANY(:known) THEN NULL ELSE response END AS response,
+         CASE WHEN id = ANY(:known) THEN NULL ELSE input_items END AS input_items, 0 AS depth
+    FROM stored_responses
+   WHERE id = :id AND org_id = :org_id AND expires_at > :now
+  UNION ALL
+  SELECT r.id, r.previous_response_id,
+         CASE WHEN r.id = ANY(:known) THEN NULL ELSE r.response END,
+         CASE WHEN r.id = ANY(:known) THEN NULL ELSE r.input_items END, c.depth + 1
+    FROM stored_responses r JOIN chain c ON r.id = c.previous_response_id
+   WHERE r.org_id = :org_id AND r.expires_at > :now AND c.depth < :max)
+SELECT id, previous_response_id, response, input_items FROM chain ORDER BY depth DESC"""
+                       ).bindparams(sa.bindparam("now", type_=t.c.expires_at.type))
+
+
+class HistoryCache:
+    """The items of the stored responses one worker wrote or read lately, as a history carries
+    them (a row's input items, then its response's output), by response id: a least recently
+    used set bounded by the bytes of the rows' JSON.
+
+    A stored response's content never changes once written (a deletion blanks the row and
+    expires it at once, :func:`delete`), so an entry stays right for as long as the row is
+    live; whether each link still is, and the org's, :func:`load_chain` reads from the
+    database every time. The items are shared by every request that reads them: nothing may
+    change them (the Responses codec builds its messages anew, ``gateway.dialects``).
+
+    :param max_bytes: the rows' JSON bytes held at most; 0 holds nothing.
+    """
+
+    def __init__(self, max_bytes):
+        self.max_bytes = max_bytes
+        self.size = 0
+        self._entries = OrderedDict()  # id -> (previous id, items (a tuple), bytes)
+
+    def __len__(self):
+        return len(self._entries)
+
+    def chain(self, response_id):
+        """Return ``{id: items}`` of the links held, from ``response_id`` back to the first
+        one not held."""
+        known, entries = {}, self._entries
+        while response_id is not None and response_id not in known:
+            entry = entries.get(response_id)
+            if entry is None:
+                break
+            entries.move_to_end(response_id)
+            known[response_id] = entry[1]
+            response_id = entry[0]
+        return known
+
+    def put(self, response_id, previous_id, items, size):
+        """Hold ``items`` (a sequence) of ``response_id``, whose row's JSON is ``size`` bytes;
+        the least recently used go while more than :attr:`max_bytes` are held."""
+        if size > self.max_bytes:
+            return
+        old = self._entries.pop(response_id, None)
+        if old is not None:
+            self.size -= old[2]
+        self._entries[response_id] = (previous_id, tuple(items), size)
+        self.size += size
+        while self.size > self.max_bytes:
+            _, (_, _, dropped) = self._entries.popitem(last=False)
+            self.size -= dropped
+
+
+def _history_items(input_items, response):
+    """What a stored response adds to a history: its request's input items, then its output."""
+    return [*input_items, *(response.get("output") or [])]
+
+
 def _reading(engine):
     """A connection for one read: on Postgres in autocommit (no BEGIN and ROLLBACK around the
     statement: one round trip)."""
@@ -317,25 +407,36 @@ def delete(engine, org_id, response_id, now=None):
     return {"id": response_id, "object": "response", "deleted": True}
 
 
-def load_chain(engine, org_id, response_id, now=None):
+def load_chain(engine, org_id, response_id, now=None, cache=None):
     """Return the history a request continuing ``response_id`` carries: the input items and
-    output items of every response of the chain, oldest first.
+    output items of every response of the chain, oldest first. With the worker's ``cache``
+    (:class:`HistoryCache`; Postgres), the links it holds are read as ids only, and the others
+    are added to it. The items may be shared with other requests: read them, never change them.
 
     :raises NotFound: 404 (``param`` ``previous_response_id``) when ``response_id`` or any
         response before it is unknown, expired, deleted or another org's: a conversation is
         never continued with part of its history missing.
     """
+    if engine.dialect.name != "postgresql":
+        cache = None
+    known = cache.chain(response_id) if cache is not None else {}
+    params = {"id": response_id, "org_id": org_id, "now": now or utcnow(), "max": MAX_CHAIN}
     with _reading(engine) as conn:
-        rows = conn.execute(_CHAIN, {"id": response_id, "org_id": org_id,
-                                     "now": now or utcnow(), "max": MAX_CHAIN}).all()
+        rows = conn.execute(_CHAIN_KNOWN, {**params, "known": list(known)}).all() if known \
+            else conn.execute(_CHAIN, params).all()
     if not rows:
         raise _not_found(response_id, "previous_response_id")
     if rows[0].previous_response_id is not None:  # the oldest found still names another
         raise _not_found(rows[0].previous_response_id, "previous_response_id")
     history = []
     for row in rows:
-        history += _items(row.input_items)
-        history += _items(row.response).get("output") or []
+        items = known.get(row.id)
+        if items is None:
+            items = _history_items(_items(row.input_items), _items(row.response))
+            if cache is not None:
+                cache.put(row.id, row.previous_response_id, items,
+                          len(row.response) + len(row.input_items))
+        history += items
     return history
 
 

@@ -181,3 +181,58 @@ def test_a_historys_items_are_read_as_the_standard_library_reads_them():
                  '[{"seed": 123456789012345678901234}]'):   # orjson would read a float
         assert _items(text) == json.loads(text)
     assert type(_items('[{"seed": 123456789012345678901234}]')[0]["seed"]) is int
+
+
+def test_a_held_chain_is_read_as_ids_and_each_link_still_checked(engine, orgs):
+    org, other = orgs
+    cache = store.HistoryCache(1 << 20)
+    previous = None
+    for turn in range(5):
+        store.save(engine, org, _response(f"resp_{turn}", previous, reply=f"a{turn}"),
+                   [_item(f"q{turn}")], cache=cache)
+        previous = f"resp_{turn}"
+    postgres = engine.dialect.name == "postgresql"
+    assert len(cache) == (5 if postgres else 0)  # rows go to the cache as they are written
+    first = store.load_chain(engine, org, "resp_4", cache=cache)
+    assert [i["content"][0]["text"] for i in first] == [
+        x for turn in range(5) for x in (f"q{turn}", f"a{turn}")]
+    with engine.begin() as conn:  # a row's content changed behind the cache's back
+        conn.execute(sa.text("UPDATE stored_responses SET input_items = :v WHERE id = 'resp_2'"),
+                     {"v": json.dumps([_item("changed")])})
+    again = store.load_chain(engine, org, "resp_4", cache=cache)
+    assert (again[4]["content"][0]["text"] == "q2") is postgres  # held: its content not read
+    assert store.load_chain(engine, org, "resp_4")[4]["content"][0]["text"] == "changed"
+    with pytest.raises(NotFound):  # another org's view of the held chain
+        store.load_chain(engine, other, "resp_4", cache=cache)
+    store.delete(engine, org, "resp_1")
+    with pytest.raises(NotFound) as err:  # a link gone is read from the database, held or not
+        store.load_chain(engine, org, "resp_4", cache=cache)
+    assert "resp_1" in err.value.message
+
+
+def test_a_chain_read_fills_the_cache_for_the_next_read(engine, orgs):
+    org = orgs[0]
+    for turn, previous in enumerate((None, "resp_0", "resp_1")):
+        store.save(engine, org, _response(f"resp_{turn}", previous), [_item(f"q{turn}")])
+    cache = store.HistoryCache(1 << 20)
+    first = store.load_chain(engine, org, "resp_2", cache=cache)
+    assert len(cache) == (3 if engine.dialect.name == "postgresql" else 0)
+    assert store.load_chain(engine, org, "resp_2", cache=cache) == first
+    assert store.load_chain(engine, org, "resp_1", cache=cache) == first[:4]
+
+
+@pytest.mark.unit
+def test_the_history_cache_keeps_the_least_recently_used_within_its_bytes():
+    cache = store.HistoryCache(25)
+    cache.put("r1", None, [{"n": 1}], 10)
+    cache.put("r2", "r1", [{"n": 2}], 10)
+    assert cache.chain("r2") == {"r2": ({"n": 2},), "r1": ({"n": 1},)}
+    cache.chain("r1")  # r1 used last: r2 goes first
+    cache.put("r3", "r2", [{"n": 3}], 10)
+    assert cache.chain("r3") == {"r3": ({"n": 3},)} and len(cache) == 2 and cache.size == 20
+    cache.put("big", None, [{}], 26)  # larger than the whole cache: not held
+    assert cache.chain("big") == {} and cache.size == 20
+    cache.put("a", "b", [], 1)
+    cache.put("b", "a", [], 1)  # a cycle (never written so) ends the walk
+    assert set(cache.chain("a")) == {"a", "b"}
+    assert store.HistoryCache(0).chain("r1") == {}
