@@ -18,7 +18,8 @@ def create_app(config=None, environ=None):
     from .backends import health
     from .contract.image_hosts import HostResolver
     from .dialects.responses import ResponsesCodec
-    from .ledger.responses import HistoryCache, ResponseWriter
+    from .ledger.history import HistoryCache
+    from .ledger.responses import ResponseWriter
     from .errors import register_error_handlers
     from .ops import lifecycle, tracing, webhooks
     if not isinstance(config, Config):

@@ -16,7 +16,8 @@ from . import upstream
 from ..errors import UpstreamTooLarge
 from .client import ClientGone, ClientWatch
 from .chunked import ChunkedBody, chunked_reader
-from .relay import READ_SIZE, Pump, StreamReader, UpstreamCall, keepalives_until_answered
+from .reader import StreamReader
+from .relay import READ_SIZE, Pump, UpstreamCall, keepalives_until_answered
 from .spans import NO_SPANS
 
 log = logging.getLogger("kiln.requests")
@@ -157,7 +158,7 @@ class Exchange:
     def take(self):
         """Take the stream's answer (:meth:`answer`): what the backend produces from now on is
         billed. Return what reads its body: a chunked body (the usual stream) in the relay's
-        own greenlet (:class:`~gateway.backends.relay.StreamReader`), any other in the call's
+        own greenlet (:class:`~gateway.backends.reader.StreamReader`), any other in the call's
         (:class:`~gateway.backends.relay.Pump`)."""
         self.accepted = True
         resp = self.call.response

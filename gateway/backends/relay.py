@@ -1,5 +1,6 @@
-"""The backend's side of one generation's I/O: the upstream call, what reads a stream (the relay
-itself for a chunked body, else a pump), and the stream relay. Nothing here knows about money;
+"""The backend's side of one generation's I/O: the upstream call, the pump that reads a stream
+that is not plainly chunked (a chunked one is read by the relay itself: :mod:`.reader`), and
+the stream relay. Nothing here knows about money;
 the flow (:mod:`gateway.flow.generation`) passes callbacks.
 
 README "Streaming" is the contract: events relayed as bytes arrive, ``: keepalive`` comments
@@ -7,13 +8,10 @@ while the backend is silent, the backend's request closed when the client leaves
 stops; :mod:`.client` notices), and the backend read no faster than the client reads (the
 relay reads only between its writes, or a bounded queue between a pump and it).
 """
-import select
 import time
 
 import gevent
-from gevent import Timeout
 from gevent.event import AsyncResult, Event
-from gevent.monkey import get_original
 from gevent.queue import Empty
 from urllib3.exceptions import ReadTimeoutError
 
@@ -28,7 +26,6 @@ READ_SIZE = 65536
 QUEUE_CHUNKS = 64
 QUEUE_BYTES = 65536
 DATA, EOF, FAILED = "data", "eof", "failed"
-_real_poll = get_original("select", "poll")  # with timeout 0 it never blocks the hub
 
 
 class StreamFailed(Exception):
@@ -44,8 +41,8 @@ class StreamFailed(Exception):
 
 class UpstreamCall:
     """One request to a backend, sent from its own greenlet and abortable from any other. A
-    chunked stream's body is then read by the relay itself (:class:`StreamReader`) and this
-    greenlet ends; any other body is read in it (:class:`Pump`). Each greenlet costs its own
+    chunked stream's body is then read by the relay itself (:class:`.reader.StreamReader`) and
+    this greenlet ends; any other body is read in it (:class:`Pump`). Each greenlet costs its own
     stack and frames (bench/RESULTS.md, bursts).
 
     :param open_response: ``() -> response``: sends the request (retrying on other backends,
@@ -193,7 +190,7 @@ class Chunks:
 class Pump:
     """Reads a backend's body that is not plainly chunked (a length, or a content coding) into
     a bounded queue, decoded, in the greenlet of the :class:`UpstreamCall` that sent the
-    request (a plainly chunked one, the usual stream, is read by :class:`StreamReader`).
+    request (a plainly chunked one, the usual stream, is read by :class:`.reader.StreamReader`).
 
     When the queue is full the pump waits, so a client that stops reading stops Kiln reading the
     backend: TCP back-pressure reaches the model server instead of memory growing here.
@@ -229,130 +226,6 @@ class Pump:
             while not self.queue.empty():
                 self.queue.get_nowait()
             self.queue.put_nowait((FAILED, reason))
-
-
-class _Quiet(BaseException):
-    """Raised into the relay's read when the wait it was given ends (the keepalive's turn)."""
-
-
-class _Woken(BaseException):
-    """Raised into the relay's read by :meth:`StreamReader.stop` from another greenlet."""
-
-
-class StreamReader:
-    """Reads a backend's chunked stream in the relay's own greenlet (the request's): one
-    greenlet per open stream, where a :class:`Pump` adds the call's (bench/RESULTS.md,
-    bursts). The backend is read only when the relay asks, so it is read no faster than the
-    client takes what was sent (README "Streaming": TCP back-pressure reaches the model server).
-
-    It is the relay's queue (:func:`relay_stream` reads ``reader.queue``): :meth:`get` waits up
-    to a timeout and returns everything that has arrived, and nothing is ever queued behind
-    it. Its wait is the socket's own: the keepalive's timeout is raised into it, and so is a
-    :meth:`stop` from another greenlet (the client left, the gateway shuts down), which
-    returns only once the relay is out of the read (a response closed under a read fails).
-
-    :param call: the :class:`UpstreamCall`, whose greenlet ends at once.
-    :param body: the response's :class:`~gateway.backends.chunked.ChunkedBody`.
-    :param idle_s: the socket's read timeout (for the message).
-    """
-
-    __slots__ = ("queue", "idle_s", "complete", "_body", "_fd", "_end", "_reason", "_reader",
-                 "_left")
-
-    def __init__(self, call, body, idle_s):
-        self.queue = self
-        self.idle_s = idle_s
-        self.complete = False  # the body was read to its end
-        self._body = body
-        self._fd = body.fileno()
-        self._end = None      # the last item, once the stream has ended or failed
-        self._reason = None   # what stop() handed in
-        self._reader = None   # the greenlet inside a read, while it is
-        self._left = None     # set when that greenlet leaves the read (stop() waits for it)
-        call.read_with(None)
-
-    def get(self, timeout=None):
-        """Return ``(DATA, bytes)`` as soon as the backend has sent some (what has arrived, up
-        to :data:`READ_SIZE`: one write to the client for all of it, as a pump's queue gives),
-        ``(EOF, None)`` at the body's end or ``(FAILED, error)``; raise
-        :class:`~gevent.queue.Empty` after ``timeout`` seconds of silence."""
-        if self._reason is not None:
-            self._end, self._reason = (FAILED, self._reason), None
-        if self._end is not None:
-            return self._end
-        body, fd = self._body, self._fd
-        self._reader = gevent.getcurrent()
-        try:
-            if _readable(fd):  # no wait, so no timer: a fast backend is read at once
-                data = body.read()
-            else:
-                with Timeout(timeout, _Quiet):
-                    data = body.read()
-        except _Quiet:
-            raise Empty() from None
-        except _Woken:
-            self._end = (FAILED, self._reason or StreamFailed("The stream was stopped."))
-            return self._end
-        except Exception as err:  # noqa: BLE001 - any read failure ends the stream as an error
-            self._end = self._failed(err)
-            return self._end
-        finally:
-            self._reader = None
-            if self._left is not None:
-                self._left.set()
-        if not data:
-            self.complete = True
-            self._end = (EOF, None)
-            return self._end
-        size = len(data)
-        if size < READ_SIZE and not body.done and _readable(fd):
-            parts = [data]
-            while size < READ_SIZE and not body.done and _readable(fd):
-                try:
-                    more = body.read()  # readable: the read does not wait
-                except Exception as err:  # noqa: BLE001 - told after what came before it
-                    self._end = self._failed(err)
-                    break
-                parts.append(more)
-                size += len(more)
-            data = b"".join(parts)
-        return DATA, data
-
-    def _failed(self, err):
-        if isinstance(err, (ReadTimeoutError, TimeoutError)):
-            return FAILED, StreamFailed(f"The model backend sent nothing for {self.idle_s:g} s "
-                                        f"(idle timeout).", kind="timeout")
-        return FAILED, self._reason or StreamFailed(
-            f"The model backend connection failed: {type(err).__name__}.")
-
-    def peek_nowait(self):
-        raise Empty()  # a get takes all that has arrived: nothing waits behind it
-
-    def stop(self, reason=None):
-        """Stop reading; with ``reason`` (an exception), the relay's next :meth:`get` returns
-        it. A relay waiting in a read is woken and out of it when this returns."""
-        if reason is not None and self._end is None:
-            self._reason = reason
-        reader = self._reader
-        if reader is None or reader is gevent.getcurrent():
-            return
-        if self._left is None:
-            self._left = Event()
-        hub = gevent.get_hub()
-        hub.loop.run_callback(self._wake)
-        if gevent.getcurrent() is not hub:
-            self._left.wait()
-
-    def _wake(self):  # in the hub: raise into the read only if the relay is still in it
-        if self._reader is not None:
-            self._reader.throw(_Woken)
-
-
-def _readable(fd):
-    """Whether the socket ``fd`` has bytes (or its end) to read now."""
-    poller = _real_poll()
-    poller.register(fd, select.POLLIN)
-    return bool(poller.poll(0))
 
 
 def _reads(raw):

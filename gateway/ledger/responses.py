@@ -4,7 +4,8 @@ expires (docs/RESPONSES.md, "Stored responses").
 Each row holds one response object and the input items of its own request (JSON text), and
 names the response it continued (``previous_response_id``). :func:`load_chain` walks that chain
 in one recursive statement, so a continued conversation costs one round trip whatever its
-length; the items of links a worker already holds (:class:`HistoryCache`) are not read again.
+length; the items of links a worker already holds (:mod:`gateway.ledger.history`) are not read
+again.
 Every read and delete is scoped to the org: another org's id, an unknown id and an expired one
 are the same 404. Stored content is the customer's data: nothing here logs it.
 
@@ -14,7 +15,6 @@ import json
 import logging
 import re
 import time
-from collections import OrderedDict
 from datetime import timedelta
 from decimal import Decimal
 
@@ -29,6 +29,7 @@ from ..background import Background
 from ..db import iso_utc, utcnow
 from ..errors import InvalidRequest, NotFound
 from ..models import response_id_created_at, stored_responses as t
+from .history import history_items
 from .worker import refused_for_its_data, take_batch
 
 log = logging.getLogger(__name__)
@@ -102,8 +103,8 @@ def save(engine, org_id, response, input_items, retention=DEFAULT_RETENTION,
     durably). Without a writer (SQLite) the row is committed before this returns.
 
     :param retention: a ``timedelta``: the row expires that long after now.
-    :param cache: the worker's :class:`HistoryCache`, given the row's items once its JSON is
-        made (Postgres, with a writer).
+    :param cache: the worker's :class:`~gateway.ledger.history.HistoryCache`, given the row's
+        items once its JSON is made (Postgres, with a writer).
     """
     now = now or utcnow()
     if engine.dialect.name != "postgresql":
@@ -117,7 +118,7 @@ def save(engine, org_id, response, input_items, retention=DEFAULT_RETENTION,
                "response": dumps(response), "input_items": dumps(input_items)}
         if cache is not None:
             cache.put(row["id"], row["previous_response_id"],
-                      _history_items(input_items, response),
+                      history_items(input_items, response),
                       len(row["response"]) + len(row["input_items"]))
         return row
     if engine.dialect.name != "postgresql":
@@ -305,61 +306,6 @@ SELECT id, previous_response_id, response, input_items FROM chain ORDER BY depth
                        ).bindparams(sa.bindparam("now", type_=t.c.expires_at.type))
 
 
-class HistoryCache:
-    """The items of the stored responses one worker wrote or read lately, as a history carries
-    them (a row's input items, then its response's output), by response id: a least recently
-    used set bounded by the bytes of the rows' JSON.
-
-    A stored response's content never changes once written (a deletion blanks the row and
-    expires it at once, :func:`delete`), so an entry stays right for as long as the row is
-    live; whether each link still is, and the org's, :func:`load_chain` reads from the
-    database every time. The items are shared by every request that reads them: nothing may
-    change them (the Responses codec builds its messages anew, ``gateway.dialects``).
-
-    :param max_bytes: the rows' JSON bytes held at most; 0 holds nothing.
-    """
-
-    def __init__(self, max_bytes):
-        self.max_bytes = max_bytes
-        self.size = 0
-        self._entries = OrderedDict()  # id -> (previous id, items (a tuple), bytes)
-
-    def __len__(self):
-        return len(self._entries)
-
-    def chain(self, response_id):
-        """Return ``{id: items}`` of the links held, from ``response_id`` back to the first
-        one not held."""
-        known, entries = {}, self._entries
-        while response_id is not None and response_id not in known:
-            entry = entries.get(response_id)
-            if entry is None:
-                break
-            entries.move_to_end(response_id)
-            known[response_id] = entry[1]
-            response_id = entry[0]
-        return known
-
-    def put(self, response_id, previous_id, items, size):
-        """Hold ``items`` (a sequence) of ``response_id``, whose row's JSON is ``size`` bytes;
-        the least recently used go while more than :attr:`max_bytes` are held."""
-        if size > self.max_bytes:
-            return
-        old = self._entries.pop(response_id, None)
-        if old is not None:
-            self.size -= old[2]
-        self._entries[response_id] = (previous_id, tuple(items), size)
-        self.size += size
-        while self.size > self.max_bytes:
-            _, (_, _, dropped) = self._entries.popitem(last=False)
-            self.size -= dropped
-
-
-def _history_items(input_items, response):
-    """What a stored response adds to a history: its request's input items, then its output."""
-    return [*input_items, *(response.get("output") or [])]
-
-
 def _reading(engine):
     """A connection for one read: on Postgres in autocommit (no BEGIN and ROLLBACK around the
     statement: one round trip)."""
@@ -410,8 +356,9 @@ def delete(engine, org_id, response_id, now=None):
 def load_chain(engine, org_id, response_id, now=None, cache=None):
     """Return the history a request continuing ``response_id`` carries: the input items and
     output items of every response of the chain, oldest first. With the worker's ``cache``
-    (:class:`HistoryCache`; Postgres), the links it holds are read as ids only, and the others
-    are added to it. The items may be shared with other requests: read them, never change them.
+    (:class:`~gateway.ledger.history.HistoryCache`; Postgres), the links it holds are read as
+    ids only, and the others are added to it. The items may be shared with other requests:
+    read them, never change them.
 
     :raises NotFound: 404 (``param`` ``previous_response_id``) when ``response_id`` or any
         response before it is unknown, expired, deleted or another org's: a conversation is
@@ -432,7 +379,7 @@ def load_chain(engine, org_id, response_id, now=None, cache=None):
     for row in rows:
         items = known.get(row.id)
         if items is None:
-            items = _history_items(_items(row.input_items), _items(row.response))
+            items = history_items(_items(row.input_items), _items(row.response))
             if cache is not None:
                 cache.put(row.id, row.previous_response_id, items,
                           len(row.response) + len(row.input_items))

@@ -1,4 +1,4 @@
-"""The relay reading a chunked stream in its own greenlet (gateway/backends/relay.py,
+"""The relay reading a chunked stream in its own greenlet (gateway/backends/reader.py,
 ``StreamReader``): its keepalive's wait leaves the stream whole, a stop from another greenlet
 wakes it and returns only once it is out of the read, and the body's end and a broken body
 are told as the relay expects. Real sockets, gevent's own (a socketpair)."""
@@ -11,7 +11,8 @@ from gevent.queue import Empty
 
 from gateway.backends.chunked import ChunkedBody
 from gateway.backends.client import ClientGone
-from gateway.backends.relay import DATA, EOF, FAILED, StreamFailed, StreamReader
+from gateway.backends.reader import StreamReader
+from gateway.backends.relay import DATA, EOF, FAILED, StreamFailed
 
 
 class _Call:

@@ -13,6 +13,7 @@ import sqlalchemy as sa
 from gateway.db import utcnow
 from gateway.errors import InvalidRequest, NotFound
 from gateway.ledger import responses as store
+from gateway.ledger.history import HistoryCache
 from gateway_proc import create_database, drop_database, migrate
 
 
@@ -185,7 +186,7 @@ def test_a_historys_items_are_read_as_the_standard_library_reads_them():
 
 def test_a_held_chain_is_read_as_ids_and_each_link_still_checked(engine, orgs):
     org, other = orgs
-    cache = store.HistoryCache(1 << 20)
+    cache = HistoryCache(1 << 20)
     previous = None
     for turn in range(5):
         store.save(engine, org, _response(f"resp_{turn}", previous, reply=f"a{turn}"),
@@ -214,7 +215,7 @@ def test_a_chain_read_fills_the_cache_for_the_next_read(engine, orgs):
     org = orgs[0]
     for turn, previous in enumerate((None, "resp_0", "resp_1")):
         store.save(engine, org, _response(f"resp_{turn}", previous), [_item(f"q{turn}")])
-    cache = store.HistoryCache(1 << 20)
+    cache = HistoryCache(1 << 20)
     first = store.load_chain(engine, org, "resp_2", cache=cache)
     assert len(cache) == (3 if engine.dialect.name == "postgresql" else 0)
     assert store.load_chain(engine, org, "resp_2", cache=cache) == first
@@ -223,7 +224,7 @@ def test_a_chain_read_fills_the_cache_for_the_next_read(engine, orgs):
 
 @pytest.mark.unit
 def test_the_history_cache_keeps_the_least_recently_used_within_its_bytes():
-    cache = store.HistoryCache(25)
+    cache = HistoryCache(25)
     cache.put("r1", None, [{"n": 1}], 10)
     cache.put("r2", "r1", [{"n": 2}], 10)
     assert cache.chain("r2") == {"r2": ({"n": 2},), "r1": ({"n": 1},)}
@@ -235,4 +236,4 @@ def test_the_history_cache_keeps_the_least_recently_used_within_its_bytes():
     cache.put("a", "b", [], 1)
     cache.put("b", "a", [], 1)  # a cycle (never written so) ends the walk
     assert set(cache.chain("a")) == {"a", "b"}
-    assert store.HistoryCache(0).chain("r1") == {}
+    assert HistoryCache(0).chain("r1") == {}
