@@ -47,7 +47,7 @@ class ChunkedBody:
     An exception raised into that greenlet while it waits for the backend (a
     :class:`gevent.Timeout`, a kill) leaves the body as it was: nothing is taken from the
     connection before the wait ends, so the next :meth:`read` goes on where this one stopped
-    (the relay waits this way, with its keepalive timer: :mod:`.relay`).
+    (the relay waits this way, with its keepalive timer: :mod:`.reader`).
 
     :param read_size: the most bytes taken at once (also bounded by the reader's buffer).
     """
@@ -68,28 +68,27 @@ class ChunkedBody:
         return self._body.done
 
     def read(self):
-        """Return the data of every chunk, or part of one, that has arrived (bytes), waiting
-        for some; ``b""`` once the body has ended. At the end, close http.client's response
-        (the connection may be reused).
+        """Read the connection once, waiting for it if nothing has arrived; return the data of
+        the chunks, or parts of chunks, that read completes (bytes: empty when it held only
+        framing, or at the end, :attr:`done`). At the end, close http.client's response (the
+        connection may be reused).
 
         :raises ChunkedBodyError: malformed framing, or the connection closed before the end.
         :raises TimeoutError: the socket's read timeout passed with nothing read.
         """
         body, fp = self._body, self._fp
-        while not body.done:
-            # A quiet backend is waited for in the reader's own buffer (``peek``: one read of
-            # the connection into it), then what it holds is taken. ``read1`` alone, on an
-            # empty buffer, reads into a new object of ``read_size`` bytes, held as long as the
-            # backend is quiet: 10 KiB more memory per open stream (bench/RESULTS.md, bursts).
-            if not fp.peek(1):
-                raise ChunkedBodyError("the connection closed before the body's last chunk")
-            data = body.feed(fp.read1(self._read_size))
-            if body.done:
-                self._end()
-                return data
-            if data:
-                return data
-        return b""
+        if body.done:
+            return b""
+        # A quiet backend is waited for in the reader's own buffer (``peek``: one read of the
+        # connection into it), then what it holds is taken. ``read1`` alone, on an empty
+        # buffer, reads into a new object of ``read_size`` bytes, held as long as the backend
+        # is quiet: 10 KiB more memory per open stream (bench/RESULTS.md, bursts).
+        if not fp.peek(1):
+            raise ChunkedBodyError("the connection closed before the body's last chunk")
+        data = body.feed(fp.read1(self._read_size))
+        if body.done:
+            self._end()
+        return data
 
     def _end(self):
         if self._body.extra:  # bytes after the body's end: the connection serves no other

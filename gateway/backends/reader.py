@@ -69,13 +69,16 @@ class StreamReader:
         if self._end is not None:
             return self._end
         body, fd = self._body, self._fd
+        timer = None
         self._reader = gevent.getcurrent()
         try:
-            if _readable(fd):  # no wait, so no timer: a fast backend is read at once
+            while True:
+                if timer is None and not _readable(fd):  # a wait: the keepalive's timer
+                    timer = Timeout(timeout, _Quiet)  # (a fast backend is read without one)
+                    timer.start()
                 data = body.read()
-            else:
-                with Timeout(timeout, _Quiet):
-                    data = body.read()
+                if data or body.done:  # else that read held only framing: read on
+                    break
         except _Quiet:
             raise Empty() from None
         except _Woken:
@@ -85,6 +88,8 @@ class StreamReader:
             self._end = self._failed(err)
             return self._end
         finally:
+            if timer is not None:
+                timer.close()
             self._reader = None
             if self._left is not None:
                 self._left.set()
@@ -97,7 +102,7 @@ class StreamReader:
             parts = [data]
             while size < READ_SIZE and not body.done and _readable(fd):
                 try:
-                    more = body.read()  # readable: the read does not wait
+                    more = body.read()  # readable: one read that does not wait
                 except Exception as err:  # noqa: BLE001 - told after what came before it
                     self._end = self._failed(err)
                     break

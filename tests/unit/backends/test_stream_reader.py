@@ -100,3 +100,15 @@ def test_what_has_arrived_past_the_readers_buffer_is_one_item(stream):
     stream.backend.sendall(b"".join(b"1770\r\n" + piece + b"\r\n" for _ in range(3)))
     gevent.sleep(0.05)  # all of it in the socket: more than the reader's 8 KiB buffer
     assert stream.reader.get(timeout=5) == (DATA, piece * 3)
+
+
+def test_a_read_of_framing_alone_still_waits_with_the_keepalives_timer(stream):
+    stream.backend.sendall(b"5\r\nhello\r\n")
+    assert stream.reader.get(timeout=5) == (DATA, b"hello")
+    stream.backend.sendall(b"5\r\n")  # the next chunk's size line, then nothing for a while
+    gevent.sleep(0.05)
+    with gevent.Timeout(5, AssertionError("the read waited without its timer")):
+        with pytest.raises(Empty):
+            stream.reader.get(timeout=0.05)
+    stream.backend.sendall(b"world\r\n")
+    assert stream.reader.get(timeout=5) == (DATA, b"world")
