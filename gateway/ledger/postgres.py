@@ -146,7 +146,11 @@ LANGUAGE plpgsql
 -- a plan made for one batch fits every other (ids are looked up through the primary key), and
 -- planning the statements below cost more than running them (PostgreSQL manual, "Plan
 -- Caching" under PL/pgSQL, and the plan_cache_mode setting).
-SET plan_cache_mode = force_generic_plan AS $$
+-- Every row is reached through its key with = ANY(an array), and never by a sequential scan
+-- (migration 0020): a plan made once must not keep scanning a table that the planner took for
+-- small when it made it (enable_seqscan only prices such a scan out where an index serves).
+SET plan_cache_mode = force_generic_plan
+SET enable_seqscan = off AS $$
 DECLARE
   v_now timestamptz := clock_timestamp();
   -- The batch, parsed once.
@@ -170,7 +174,7 @@ BEGIN
   SELECT array_agg(s.gid) INTO v_ids
     FROM unnest(v_rows) s
     JOIN usage_events e ON e.id = s.gid
-   WHERE s.gid = ANY(v_ids)
+   WHERE s.gid = ANY(v_ids) AND e.id = ANY(v_ids)
      AND CASE WHEN s.expired_before IS NULL THEN true
               WHEN e.status = '{PENDING}' THEN EXISTS (
                 SELECT 1 FROM in_flight f WHERE f.generation_id = s.gid
@@ -190,7 +194,7 @@ BEGIN
   v_ids := COALESCE(v_ids, '{{}}') || COALESCE(v_lost, '{{}}');
   -- 2. The orgs' balance rows, locked in org order (keys and daily rows belong to an org).
   PERFORM 1 FROM credit_balances b
-   WHERE b.org_id IN (SELECT e.org_id FROM usage_events e WHERE e.id = ANY(v_ids))
+   WHERE b.org_id = ANY(ARRAY(SELECT e.org_id FROM usage_events e WHERE e.id = ANY(v_ids)))
    ORDER BY b.org_id FOR UPDATE;
   -- 3. Everything else, in one statement on the locked rows. A generation may take what it
   --    holds (a pending one: its hold; a corrected one: what it was charged) plus what its org
@@ -203,6 +207,7 @@ BEGIN
   WITH s AS (SELECT * FROM unnest(v_rows) x
               WHERE x.gid = ANY(v_ids)),
   lease AS (DELETE FROM in_flight f USING s WHERE f.generation_id = s.gid
+                                              AND f.generation_id = ANY(v_ids)
             RETURNING f.generation_id, f.key_hold_nanos),
   j AS (SELECT s.*, e.org_id, e.api_key_id, e.endpoint, e.hold_nanos, e.started_at AS began,
                COALESCE(l.key_hold_nanos, 0) AS key_hold, (l.generation_id IS NOT NULL) AS leased,
@@ -248,7 +253,8 @@ BEGIN
                          SUM(CASE WHEN d.leased THEN d.hold_nanos ELSE 0 END) AS hold,
                          COUNT(*) FILTER (WHERE d.leased) AS leases
                     FROM d GROUP BY d.org_id) t
-           WHERE b.org_id = t.org_id RETURNING b.org_id),
+           WHERE b.org_id = t.org_id AND b.org_id = ANY(ARRAY(SELECT d.org_id FROM d))
+          RETURNING b.org_id),
   keys AS (UPDATE api_keys k
               SET period_spent_nanos = CASE
                     WHEN k.period_start IS DISTINCT FROM kiln_period_start(k.limit_reset, v_now)
@@ -258,7 +264,8 @@ BEGIN
              FROM (SELECT d.api_key_id, SUM(d.debit - d.was_cost) AS debit,
                           SUM(d.key_hold) AS key_hold
                      FROM d GROUP BY d.api_key_id) t
-            WHERE k.id = t.api_key_id RETURNING k.id),
+            WHERE k.id = t.api_key_id AND k.id = ANY(ARRAY(SELECT d.api_key_id FROM d))
+           RETURNING k.id),
   daily AS (INSERT INTO usage_daily AS u (org_id, day, model, api_key_id, endpoint, requests,
                                           errors, prompt_tokens, cached_tokens,
                                           completion_tokens, cost_nanos)

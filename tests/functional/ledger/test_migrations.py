@@ -1,5 +1,6 @@
 """Migrations on both dialects: upgrade, downgrade to nothing and upgrade again; no drift from
 the models (``kiln db check``); the credit triggers work in plain SQL on Postgres and SQLite."""
+import json
 import os
 import subprocess
 import sys
@@ -249,7 +250,7 @@ def test_0019_plans_settlement_once_and_its_downgrade_puts_back_the_parse_per_st
     kiln(url, "db", "upgrade")
     with engine.connect() as conn:
         after, config = conn.execute(sa.text(definition)).one()
-    assert config == ["plan_cache_mode=force_generic_plan"]
+    assert config == ["plan_cache_mode=force_generic_plan", "enable_seqscan=off"]
     # the batch parsed once; its ids and four statements read the parsed rows
     assert after.count("unnest(v_rows)") == 5 and after.count("jsonb_populate_recordset(") == 1
     kiln(url, "db", "downgrade", "0016")
@@ -261,4 +262,68 @@ def test_0019_plans_settlement_once_and_its_downgrade_puts_back_the_parse_per_st
     kiln(url, "db", "upgrade")
     with engine.connect() as conn:
         assert tuple(conn.execute(sa.text(definition)).one()) == (
-            after, ["plan_cache_mode=force_generic_plan"])
+            after, ["plan_cache_mode=force_generic_plan", "enable_seqscan=off"])
+
+
+def _settle_plans(engine, batch):
+    """The plans of ``kiln_settle``'s statements for ``batch`` (auto_explain, as notices), in a
+    session whose plans were made first on the tables as they were then (one call, empty)."""
+    conn = engine.raw_connection()
+    try:
+        notices = []
+        conn.driver_connection.add_notice_handler(lambda diag: notices.append(diag.message_primary))
+        with conn.cursor() as cur:
+            cur.execute("SELECT * FROM kiln_settle('[]'::jsonb)")  # plans made now, kept
+            conn.commit()
+            yield
+            for setting in ("LOAD 'auto_explain'", "SET auto_explain.log_min_duration = 0",
+                            "SET auto_explain.log_nested_statements = on",
+                            "SET auto_explain.log_level = notice",
+                            "SET client_min_messages = notice"):
+                cur.execute(setting)
+            cur.execute("SELECT * FROM kiln_settle(%s::jsonb)", (batch,))
+            conn.rollback()
+        yield "\n".join(notices)
+    finally:
+        conn.close()
+
+
+def test_0020_settles_through_indexes_whatever_the_tables_looked_like_when_planned(empty_db):
+    """A settlement planned once per session (0019) while ``usage_events`` was empty still finds
+    its events through their key once the table holds thousands (0020); 0019's plan scanned
+    the whole table for them."""
+    url, engine = empty_db
+    if engine.dialect.name != "postgresql":
+        pytest.skip("kiln_settle is Postgres's; SQLite settles in Python")
+    kiln(url, "db", "upgrade")
+    with engine.begin() as conn:
+        org = conn.execute(sa.text("INSERT INTO orgs (name) VALUES ('o') RETURNING id")).scalar()
+        # (an org's balance row comes with it)
+        key = conn.execute(sa.text("INSERT INTO api_keys (org_id, prefix, key_hash) VALUES "
+                                   "(:o, 'kiln-abc', 'h') RETURNING id"), {"o": org}).scalar()
+    batch = json.dumps([{"gid": "gen-probe", "org": org, "key": key, "model": "m", "stream": False,
+                         "status": "completed", "prompt": 1, "cached": 0, "completion": 1,
+                         "cost": 10, "hold": 0, "http_status": 200,
+                         "estimated": False, "anomaly": False}])
+
+    def plans():
+        steps = _settle_plans(engine, batch)
+        next(steps)
+        with engine.begin() as conn:  # the table grows after the session planned
+            conn.execute(sa.text(
+                "INSERT INTO usage_events (id, org_id, api_key_id, model, stream, status, "
+                "hold_nanos, started_at) SELECT 'gen-' || i, :o, :k, 'm', false, 'completed', 0, "
+                "now() FROM generate_series(1, 5000) i"), {"o": org, "k": key})
+            conn.execute(sa.text("INSERT INTO usage_events (id, org_id, api_key_id, model, "
+                                 "stream, status, hold_nanos, started_at) VALUES ('gen-probe', "
+                                 ":o, :k, 'm', false, 'pending', 0, now())"), {"o": org, "k": key})
+        text = next(steps)
+        with engine.begin() as conn:
+            conn.execute(sa.text("DELETE FROM usage_events"))
+        return text
+
+    head = plans()
+    assert "pk_usage_events" in head and "Seq Scan" not in head
+    kiln(url, "db", "downgrade", "0019")
+    assert "Seq Scan on usage_events" in plans()
+    kiln(url, "db", "upgrade")
