@@ -209,7 +209,11 @@ BEGIN
   lease AS (DELETE FROM in_flight f USING s WHERE f.generation_id = s.gid
                                               AND f.generation_id = ANY(v_ids)
             RETURNING f.generation_id, f.key_hold_nanos),
-  j AS (SELECT s.*, e.org_id, e.api_key_id, e.endpoint, e.hold_nanos, e.started_at AS began,
+  -- The events, read apart (MATERIALIZED) through their key: joined in one query with the
+  -- balance rows, a plan could reach them through the org (every event the org ever had) once
+  -- the balance table's statistics were fresher than usage_events' (migration 0021).
+  j AS MATERIALIZED (
+        SELECT s.*, e.org_id, e.api_key_id, e.endpoint, e.hold_nanos, e.started_at AS began,
                COALESCE(l.key_hold_nanos, 0) AS key_hold, (l.generation_id IS NOT NULL) AS leased,
                (e.status = '{ABANDONED}') AS fix,
                CASE WHEN e.status = '{ABANDONED}' THEN e.cost_nanos ELSE e.hold_nanos END AS base,
@@ -218,7 +222,7 @@ BEGIN
                CASE WHEN e.status = '{ABANDONED}' THEN e.cached_tokens ELSE 0 END AS was_cached,
                CASE WHEN e.status = '{ABANDONED}' THEN e.completion_tokens ELSE 0 END
                  AS was_completion
-          FROM s JOIN usage_events e ON e.id = s.gid
+          FROM s JOIN usage_events e ON e.id = s.gid AND e.id = ANY(v_ids)
           LEFT JOIN lease l ON l.generation_id = s.gid),
   d AS (SELECT j.*, CAST(LEAST(j.cost, j.base + GREATEST(0, LEAST(
                    b.balance_nanos - b.held_nanos

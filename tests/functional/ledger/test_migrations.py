@@ -288,14 +288,8 @@ def _settle_plans(engine, batch):
         conn.close()
 
 
-def test_0020_settles_through_indexes_whatever_the_tables_looked_like_when_planned(empty_db):
-    """A settlement planned once per session (0019) while ``usage_events`` was empty still finds
-    its events through their key once the table holds thousands (0020); 0019's plan scanned
-    the whole table for them."""
-    url, engine = empty_db
-    if engine.dialect.name != "postgresql":
-        pytest.skip("kiln_settle is Postgres's; SQLite settles in Python")
-    kiln(url, "db", "upgrade")
+def _org_and_probe(engine):
+    """An org with a key, and the settlement batch of one generation of theirs, ``gen-probe``."""
     with engine.begin() as conn:
         org = conn.execute(sa.text("INSERT INTO orgs (name) VALUES ('o') RETURNING id")).scalar()
         # (an org's balance row comes with it)
@@ -305,18 +299,35 @@ def test_0020_settles_through_indexes_whatever_the_tables_looked_like_when_plann
                          "status": "completed", "prompt": 1, "cached": 0, "completion": 1,
                          "cost": 10, "hold": 0, "http_status": 200,
                          "estimated": False, "anomaly": False}])
+    return org, key, batch
+
+
+def _add_events(engine, org, key, settled=5000):
+    """Give the org ``settled`` settled events and the pending ``gen-probe``."""
+    with engine.begin() as conn:
+        conn.execute(sa.text(
+            "INSERT INTO usage_events (id, org_id, api_key_id, model, stream, status, "
+            "hold_nanos, started_at) SELECT 'gen-' || i, :o, :k, 'm', false, 'completed', 0, "
+            "now() FROM generate_series(1, :n) i"), {"o": org, "k": key, "n": settled})
+        conn.execute(sa.text("INSERT INTO usage_events (id, org_id, api_key_id, model, "
+                             "stream, status, hold_nanos, started_at) VALUES ('gen-probe', "
+                             ":o, :k, 'm', false, 'pending', 0, now())"), {"o": org, "k": key})
+
+
+def test_0020_settles_through_indexes_whatever_the_tables_looked_like_when_planned(empty_db):
+    """A settlement planned once per session (0019) while ``usage_events`` was empty still finds
+    its events through their key once the table holds thousands (0020); 0019's plan scanned
+    the whole table for them."""
+    url, engine = empty_db
+    if engine.dialect.name != "postgresql":
+        pytest.skip("kiln_settle is Postgres's; SQLite settles in Python")
+    kiln(url, "db", "upgrade")
+    org, key, batch = _org_and_probe(engine)
 
     def plans():
         steps = _settle_plans(engine, batch)
         next(steps)
-        with engine.begin() as conn:  # the table grows after the session planned
-            conn.execute(sa.text(
-                "INSERT INTO usage_events (id, org_id, api_key_id, model, stream, status, "
-                "hold_nanos, started_at) SELECT 'gen-' || i, :o, :k, 'm', false, 'completed', 0, "
-                "now() FROM generate_series(1, 5000) i"), {"o": org, "k": key})
-            conn.execute(sa.text("INSERT INTO usage_events (id, org_id, api_key_id, model, "
-                                 "stream, status, hold_nanos, started_at) VALUES ('gen-probe', "
-                                 ":o, :k, 'm', false, 'pending', 0, now())"), {"o": org, "k": key})
+        _add_events(engine, org, key)  # the table grows after the session planned
         text = next(steps)
         with engine.begin() as conn:
             conn.execute(sa.text("DELETE FROM usage_events"))
@@ -327,3 +338,35 @@ def test_0020_settles_through_indexes_whatever_the_tables_looked_like_when_plann
     kiln(url, "db", "downgrade", "0019")
     assert "Seq Scan on usage_events" in plans()
     kiln(url, "db", "upgrade")
+
+
+def test_0021_reads_the_batchs_events_by_id_when_the_balances_were_vacuumed_since(empty_db):
+    """With ``usage_events`` grown since its last analyze and ``credit_balances`` just vacuumed
+    (autovacuum's usual order on these tables), 0020's plan reached a settlement's events
+    through the org: every event the org had (``ix_usage_events_org_started_id``). 0021 reads
+    them by id."""
+    url, engine = empty_db
+    if engine.dialect.name != "postgresql":
+        pytest.skip("kiln_settle is Postgres's; SQLite settles in Python")
+    kiln(url, "db", "upgrade")
+    org, key, batch = _org_and_probe(engine)
+    autocommit = engine.execution_options(isolation_level="AUTOCOMMIT")
+    with autocommit.connect() as conn:  # no analyze of usage_events behind the test's back
+        conn.execute(sa.text("ALTER TABLE usage_events SET (autovacuum_enabled = false)"))
+    _add_events(engine, org, key)
+
+    def plans():
+        with autocommit.connect() as conn:
+            conn.execute(sa.text("VACUUM credit_balances"))
+        steps = _settle_plans(engine, batch)
+        next(steps)
+        return next(steps)
+
+    head = plans()
+    assert "pk_usage_events" in head and "ix_usage_events_org_started_id" not in head
+    kiln(url, "db", "downgrade", "0020")
+    assert "Bitmap Index Scan on ix_usage_events_org_started_id" in plans()
+    kiln(url, "db", "upgrade")
+    assert "ix_usage_events_org_started_id" not in plans()
+    with autocommit.connect() as conn:
+        conn.execute(sa.text("ALTER TABLE usage_events RESET (autovacuum_enabled)"))
