@@ -349,6 +349,11 @@ _SETTLE_CALL = ("SELECT s.* FROM (SELECT set_config('synchronous_commit', 'off',
 # this session made before, so that once it returns they are on disk too (PostgreSQL manual,
 # "Asynchronous Commit").
 _DURABLE = "SELECT pg_logical_emit_message(true, 'kiln', 'settled')"
+# Both in one round trip: a simple query of several statements, its parameter bound by the client
+# (the extended protocol carries one statement per message). The explicit transaction ends at
+# its COMMIT, so _DURABLE runs in a transaction of its own, as the protocol's implicit one
+# (PostgreSQL manual, "Multiple Statements in a Simple Query"); an error skips what follows it.
+_SETTLE_DURABLY = f"BEGIN; {_SETTLE_CALL}; COMMIT; {_DURABLE}"
 _ADMIT_BATCH_CALL = "SELECT * FROM kiln_admit_batch(%s::jsonb)"
 _RENEW_CALL = ("SELECT * FROM kiln_renew(%s::text[], %s::integer[], %s::integer[], "
                "%s::integer[], %s::float8)")
@@ -369,12 +374,14 @@ class PostgresStore:
     def __init__(self, engine):
         self.engine = engine
 
-    def _call(self, sql, params, then=None):
-        """Run one statement on a pooled connection; return its rows. ``then``: a statement
-        without parameters run after it on the same connection (its rows are not returned).
+    def _call(self, sql, params, statements=1):
+        """Run ``sql`` on a pooled connection; return its rows. With ``statements`` > 1, ``sql``
+        is that many statements, sent as one simple query with ``params`` bound by the client,
+        and the rows are those of the first that returns any.
 
         A connection found broken is dropped from the pool (a database restart) and the error
-        raised; callers retry.
+        raised; callers retry. So is one whose call was interrupted (a greenlet killed
+        mid-statement), which may be left inside its transaction or its query.
         """
         try:
             conn = self.engine.raw_connection()
@@ -383,13 +390,16 @@ class PostgresStore:
                                      "backoff.", code="database_busy",
                                      headers={"Retry-After": "1"}) from err
         try:
-            with conn.cursor() as cur:
+            if statements == 1:
+                with conn.cursor() as cur:
+                    cur.execute(sql, params)
+                    return cur.fetchall()
+            with psycopg.ClientCursor(conn.driver_connection) as cur:
                 cur.execute(sql, params)
-                rows = cur.fetchall()
-                if then is not None:
-                    cur.execute(then)
-                return rows
-        except psycopg.Error:
+                while cur.description is None and cur.nextset():
+                    pass
+                return cur.fetchall()
+        except BaseException:
             conn.invalidate()
             raise
         finally:
@@ -419,15 +429,15 @@ class PostgresStore:
         """Settle ``settlements`` in one transaction and return once it is durable: ``{gid:
         debited nano-dollars}`` for those it settled (the others were settled before).
 
-        Two round trips on one connection: the settlement, committed without waiting for its
-        WAL flush (its row locks are released at once), then :data:`_DURABLE`, whose commit
+        One round trip (:data:`_SETTLE_DURABLY`): the settlement, committed without waiting for
+        its WAL flush (its row locks are released at once), then :data:`_DURABLE`, whose commit
         waits for the flush of both. A failure of either raises, and the caller retries the
         whole batch: ``kiln_settle`` settles each generation once, so a batch whose first
         commit survived a crash is not debited twice, and one whose commit was lost with the
         crash is written again.
         """
         batch = dumps([s.as_record() for s in settlements])
-        return dict(self._call(_SETTLE_CALL, (batch,), then=_DURABLE))
+        return dict(self._call(_SETTLE_DURABLY, (batch,), statements=4))
 
     def renew(self, leases, lease_ttl_s):
         """Renew ``leases`` (with their progress); return ``{gid: state}``."""
