@@ -297,7 +297,10 @@ RENEW = f"""CREATE OR REPLACE FUNCTION kiln_renew(
   p_ids text[], p_prompt integer[], p_cached integer[], p_completion integer[],
   p_ttl_s double precision)
 RETURNS TABLE (gid text, state text)
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql
+-- Every event is reached through its id, never by a sequential scan (migration 0022): a plan
+-- kept while usage_events was small went on scanning it as it grew, until its next analyze.
+SET enable_seqscan = off AS $$
 DECLARE
   v_now timestamptz := clock_timestamp();
   v_locked text[];
@@ -317,7 +320,8 @@ BEGIN
     SELECT i.id, CASE WHEN i.id = ANY(COALESCE(v_locked, '{{}}')) THEN 'leased'
                       WHEN e.id IS NULL THEN 'missing'
                       WHEN e.status = '{PENDING}' THEN 'busy' ELSE 'settled' END
-      FROM unnest(p_ids) AS i(id) LEFT JOIN usage_events e ON e.id = i.id;
+      FROM unnest(p_ids) AS i(id)
+      LEFT JOIN usage_events e ON e.id = i.id AND e.id = ANY(p_ids);
 END $$"""
 
 FUNCTIONS = (PERIOD_START, ADMIT, ADMIT_BATCH, SETTLE, RENEW)

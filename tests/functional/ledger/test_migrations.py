@@ -370,3 +370,48 @@ def test_0021_reads_the_batchs_events_by_id_when_the_balances_were_vacuumed_sinc
     assert "ix_usage_events_org_started_id" not in plans()
     with autocommit.connect() as conn:
         conn.execute(sa.text("ALTER TABLE usage_events RESET (autovacuum_enabled)"))
+
+
+def test_0022_renews_through_ids_whatever_the_events_table_looked_like_when_planned(empty_db):
+    """A renewer's session whose plans were made while ``usage_events`` was small (seven calls:
+    PL/pgSQL may keep a generic plan after five) still reaches the events by id once the table
+    holds thousands (0022); 0021's kept scanning the whole table."""
+    url, engine = empty_db
+    if engine.dialect.name != "postgresql":
+        pytest.skip("kiln_renew is Postgres's; SQLite renews in Python")
+    kiln(url, "db", "upgrade")
+    org, key, _ = _org_and_probe(engine)
+    renew = ("SELECT * FROM kiln_renew(ARRAY['gen-probe'], ARRAY[1], ARRAY[0], ARRAY[1], "
+             "30::float8)")
+
+    def plans():
+        conn = engine.raw_connection()
+        try:
+            notices = []
+            conn.driver_connection.add_notice_handler(
+                lambda diag: notices.append(diag.message_primary))
+            with conn.cursor() as cur:
+                for _ in range(7):
+                    cur.execute(renew)
+                conn.commit()
+                _add_events(engine, org, key)  # the table grows after the session planned
+                for setting in ("LOAD 'auto_explain'", "SET auto_explain.log_min_duration = 0",
+                                "SET auto_explain.log_nested_statements = on",
+                                "SET auto_explain.log_level = notice",
+                                "SET client_min_messages = notice"):
+                    cur.execute(setting)
+                cur.execute(renew)
+                assert cur.fetchall() == [("gen-probe", "leased")]
+                conn.rollback()
+        finally:
+            conn.close()
+            with engine.begin() as db:  # empty again, no page left (as DELETE would leave)
+                db.execute(sa.text("TRUNCATE usage_events CASCADE"))
+        return "\n".join(notices)
+
+    head = plans()
+    assert "pk_usage_events" in head and "Seq Scan" not in head
+    kiln(url, "db", "downgrade", "0021")
+    assert "Seq Scan on usage_events" in plans()
+    kiln(url, "db", "upgrade")
+    assert "Seq Scan" not in plans()
