@@ -32,12 +32,11 @@ admission lost in a database crash is written again by its settlement). Settleme
 committed in batches (one transaction for those queued at that moment), by a writer greenlet
 after the answer's last bytes have left (docs/METERING.md, "When the usage event is final"); on
 Postgres the batch's transaction does not wait for its WAL flush, so the rows it locked are
-free at once, and the writer then waits for the flush in a transaction that locks nothing
-before it counts the batch committed; a settlement that fails, or whose flush does, is retried
-until it is durable. A generation's slot and hold
-stay taken until then, so a refusal for the in-flight limit or credits first waits for this
-worker's outstanding settlements of the org (or, with none, a moment for another worker's) and
-asks once more.
+free at once, and the writer then waits for the flush in a transaction that locks nothing (the
+two in one round trip) before it counts the batch committed; a settlement that fails, or whose
+flush does, is retried until it is durable. A generation's slot and hold stay taken until then,
+so a refusal for the in-flight limit or credits first waits for this worker's outstanding
+settlements of the org (or, with none, a moment for another worker's) and asks once more.
 """
 import dataclasses
 import json
