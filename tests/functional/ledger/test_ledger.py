@@ -513,6 +513,21 @@ def test_an_admission_lost_in_a_crash_is_written_by_its_settlement(ledger_db):
                             ).one() == (10**9 - 2_000, 0, 0)
 
 
+
+def test_a_settlements_texts_reach_the_database_verbatim(ledger_db):
+    """A backend's error text is data, whatever it holds: quotes, backslashes, dollar quotes,
+    a semicolon and a COMMIT of its own (on Postgres the settlement's batch is bound into the
+    query's text by the client: ``PostgresStore.settle_batch``)."""
+    ledger, engine, org, key_id = ledger_db
+    gid = _admit(ledger, org, key_id)
+    error = "it's a \\ back%slash {x} ü 🙂 \"q\" $$ $1 ; COMMIT; SELECT 1; -- \n\t end"
+    settlement = _settlement(gid, org, key_id, 10, 0, 1_000)
+    settlement.status, settlement.http_status, settlement.error = "error", 502, error
+    assert ledger.store.settle_batch([settlement]) == {gid: 1_000}
+    with engine.connect() as conn:
+        assert conn.execute(sa.text("SELECT error FROM usage_events WHERE id = :g"),
+                            {"g": gid}).scalar_one() == error
+
 def _event(engine, gid):
     with engine.connect() as conn:
         return tuple(conn.execute(sa.text(
