@@ -314,18 +314,25 @@ def _add_events(engine, org, key, settled=5000):
                              ":o, :k, 'm', false, 'pending', 0, now())"), {"o": org, "k": key})
 
 
+def _probed(empty_db, function):
+    """Upgrade the Postgres database of ``empty_db`` (skip SQLite, where ``function`` is
+    Python's), with autovacuum off on ``usage_events`` so that no analyze replans a probed
+    session behind the test's back. Return ``(url, engine, org, key, batch)``
+    (:func:`_org_and_probe`)."""
+    url, engine = empty_db
+    if engine.dialect.name != "postgresql":
+        pytest.skip(f"{function} is Postgres's; SQLite does it in Python")
+    kiln(url, "db", "upgrade")
+    with engine.execution_options(isolation_level="AUTOCOMMIT").connect() as conn:
+        conn.execute(sa.text("ALTER TABLE usage_events SET (autovacuum_enabled = false)"))
+    return (url, engine, *_org_and_probe(engine))
+
+
 def test_0020_settles_through_indexes_whatever_the_tables_looked_like_when_planned(empty_db):
     """A settlement planned once per session (0019) while ``usage_events`` was empty still finds
     its events through their key once the table holds thousands (0020); 0019's plan scanned
     the whole table for them."""
-    url, engine = empty_db
-    if engine.dialect.name != "postgresql":
-        pytest.skip("kiln_settle is Postgres's; SQLite settles in Python")
-    kiln(url, "db", "upgrade")
-    org, key, batch = _org_and_probe(engine)
-    with engine.execution_options(isolation_level="AUTOCOMMIT").connect() as conn:
-        # no analyze of usage_events behind the test's back (it would replan the session)
-        conn.execute(sa.text("ALTER TABLE usage_events SET (autovacuum_enabled = false)"))
+    url, engine, org, key, batch = _probed(empty_db, "kiln_settle")
 
     def plans():
         steps = _settle_plans(engine, batch)
@@ -348,14 +355,8 @@ def test_0021_reads_the_batchs_events_by_id_when_the_balances_were_vacuumed_sinc
     (autovacuum's usual order on these tables), 0020's plan reached a settlement's events
     through the org: every event the org had (``ix_usage_events_org_started_id``). 0021 reads
     them by id."""
-    url, engine = empty_db
-    if engine.dialect.name != "postgresql":
-        pytest.skip("kiln_settle is Postgres's; SQLite settles in Python")
-    kiln(url, "db", "upgrade")
-    org, key, batch = _org_and_probe(engine)
+    url, engine, org, key, batch = _probed(empty_db, "kiln_settle")
     autocommit = engine.execution_options(isolation_level="AUTOCOMMIT")
-    with autocommit.connect() as conn:  # no analyze of usage_events behind the test's back
-        conn.execute(sa.text("ALTER TABLE usage_events SET (autovacuum_enabled = false)"))
     _add_events(engine, org, key)
 
     def plans():
@@ -371,22 +372,13 @@ def test_0021_reads_the_batchs_events_by_id_when_the_balances_were_vacuumed_sinc
     assert "Bitmap Index Scan on ix_usage_events_org_started_id" in plans()
     kiln(url, "db", "upgrade")
     assert "ix_usage_events_org_started_id" not in plans()
-    with autocommit.connect() as conn:
-        conn.execute(sa.text("ALTER TABLE usage_events RESET (autovacuum_enabled)"))
 
 
 def test_0022_renews_through_ids_whatever_the_events_table_looked_like_when_planned(empty_db):
     """A renewer's session whose plans were made while ``usage_events`` was small (seven calls:
     PL/pgSQL may keep a generic plan after five) still reaches the events by id once the table
     holds thousands (0022); 0021's kept scanning the whole table."""
-    url, engine = empty_db
-    if engine.dialect.name != "postgresql":
-        pytest.skip("kiln_renew is Postgres's; SQLite renews in Python")
-    kiln(url, "db", "upgrade")
-    org, key, _ = _org_and_probe(engine)
-    autocommit = engine.execution_options(isolation_level="AUTOCOMMIT")
-    with autocommit.connect() as conn:  # no analyze of usage_events behind the test's back
-        conn.execute(sa.text("ALTER TABLE usage_events SET (autovacuum_enabled = false)"))
+    url, engine, org, key, _ = _probed(empty_db, "kiln_renew")
     renew = ("SELECT * FROM kiln_renew(ARRAY['gen-probe'], ARRAY[1], ARRAY[0], ARRAY[1], "
              "30::float8)")
 
@@ -421,5 +413,3 @@ def test_0022_renews_through_ids_whatever_the_events_table_looked_like_when_plan
     assert "Seq Scan on usage_events" in plans()
     kiln(url, "db", "upgrade")
     assert "Seq Scan" not in plans()
-    with autocommit.connect() as conn:
-        conn.execute(sa.text("ALTER TABLE usage_events RESET (autovacuum_enabled)"))
