@@ -265,6 +265,15 @@ def test_0019_plans_settlement_once_and_its_downgrade_puts_back_the_parse_per_st
             after, ["plan_cache_mode=force_generic_plan", "enable_seqscan=off"])
 
 
+def _explain_as_notices(cur):
+    """Have the session of ``cur`` send the plan of every statement it runs, nested ones
+    included (a function's), as a notice (auto_explain, PostgreSQL manual F.4)."""
+    for setting in ("LOAD 'auto_explain'", "SET auto_explain.log_min_duration = 0",
+                    "SET auto_explain.log_nested_statements = on",
+                    "SET auto_explain.log_level = notice", "SET client_min_messages = notice"):
+        cur.execute(setting)
+
+
 def _settle_plans(engine, batch):
     """The plans of ``kiln_settle``'s statements for ``batch`` (auto_explain, as notices), in a
     session whose plans were made first on the tables as they were then (one call, empty)."""
@@ -276,11 +285,7 @@ def _settle_plans(engine, batch):
             cur.execute("SELECT * FROM kiln_settle('[]'::jsonb)")  # plans made now, kept
             conn.commit()
             yield
-            for setting in ("LOAD 'auto_explain'", "SET auto_explain.log_min_duration = 0",
-                            "SET auto_explain.log_nested_statements = on",
-                            "SET auto_explain.log_level = notice",
-                            "SET client_min_messages = notice"):
-                cur.execute(setting)
+            _explain_as_notices(cur)
             cur.execute("SELECT * FROM kiln_settle(%s::jsonb)", (batch,))
             conn.rollback()
         yield "\n".join(notices)
@@ -393,11 +398,7 @@ def test_0022_renews_through_ids_whatever_the_events_table_looked_like_when_plan
                     cur.execute(renew)
                 conn.commit()
                 _add_events(engine, org, key)  # the table grows after the session planned
-                for setting in ("LOAD 'auto_explain'", "SET auto_explain.log_min_duration = 0",
-                                "SET auto_explain.log_nested_statements = on",
-                                "SET auto_explain.log_level = notice",
-                                "SET client_min_messages = notice"):
-                    cur.execute(setting)
+                _explain_as_notices(cur)
                 cur.execute(renew)
                 assert cur.fetchall() == [("gen-probe", "leased")]
                 conn.rollback()
