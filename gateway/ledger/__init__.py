@@ -58,7 +58,7 @@ from . import outbox
 from .early import RecentAdmissions
 from .postgres import PostgresStore
 from .sqlite import SqliteStore
-from .worker import Admitter, Renewer, SettlementWriter
+from .worker import SETTLE_DEFER_S, Admitter, Renewer, SettlementWriter
 
 log = logging.getLogger(__name__)
 
@@ -210,11 +210,12 @@ class Ledger:
         self.store = PostgresStore(engine) if is_postgres(engine) else SqliteStore(engine)
         self.config = config
         self.catalog = catalog
-        self._admitter = Admitter(self.store, on_orphan=self._settle_orphan,
-                                  background=background)
         self._renewer = Renewer(self.store, config.lease_ttl_s, background=background)
         self._writer = SettlementWriter(self.store, metrics, on_committed=self._renewer.forget,
-                                        background=background)
+                                        background=background, defer_s=SETTLE_DEFER_S)
+        self._admitter = Admitter(self.store, on_orphan=self._settle_orphan,
+                                  background=background,
+                                  on_answered=self._writer.admission_answered)
         self.recent = RecentAdmissions()
 
     # -- admission ---------------------------------------------------------------------------
@@ -315,11 +316,12 @@ class Ledger:
     def settle(self, settlement, wait_s=0):
         """Queue ``settlement`` for the writer, which commits it with the others queued at that
         moment (one transaction), retrying until it commits; wait up to ``wait_s`` for that.
-        Never raises.
+        One that nobody waits for (``wait_s`` 0) lets this worker's next admission reach the
+        database first, for at most :data:`~.worker.SETTLE_DEFER_S`. Never raises.
 
         :returns: whether it committed within ``wait_s``.
         """
-        self._writer.put(settlement)
+        self._writer.put(settlement, urgent=bool(wait_s))
         return settlement.committed.wait(wait_s) if wait_s else False
 
     def drain(self, timeout_s):

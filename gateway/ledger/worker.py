@@ -7,8 +7,13 @@
   all of them), retried on any database error until they commit.
 - :class:`Renewer`: every live lease of the worker is renewed in one statement, with progress.
 
-No batch waits for a timer: each takes what is queued when the previous one is done, so at low
-load nothing is delayed and at high load the statements per request fall.
+An admission never waits for a timer: each batch takes what is queued when the previous one is
+done, so at low load nothing is delayed and at high load the statements per request fall. A
+settlement batch, which no client waits for unless it says so (``urgent``), first lets this
+worker's next admission go (at most :data:`SETTLE_DEFER_S`): the next request of a client is
+admitted while the database is free, instead of behind the settlement of its last answer, whose
+org row the admission needs and whose work would share the database's core with it
+(bench/RESULTS.md, "The settlement after the next admission").
 
 A statement the database refuses for the values it carries (:func:`refused_for_its_data`) is
 never retried as it is: its batch is split until the one settlement or lease at fault stands
@@ -31,6 +36,10 @@ log = logging.getLogger("gateway.ledger")
 MAX_BATCH = 256                # statements' rows grouped at most
 RENEW_EVERY_MAX_S = 5.0        # progress recorded at least this often (what a kill can lose)
 RETRY_BACKOFF_S = (0.05, 2.0)  # first and longest wait between attempts of a failed write
+# The longest a settlement batch waits for the worker's next admission to be answered. About one
+# client's turn at one connection (its next request arrives a fraction of a millisecond after
+# the answer, and is admitted in under one); a worker with no next request writes then.
+SETTLE_DEFER_S = 0.002
 # SQLSTATE classes of a statement refused for its values (SQL standard; PostgreSQL manual,
 # Appendix A): 22 data exception (a value out of its column's range or length), 23 integrity
 # constraint violation. No retry can make such a statement commit.
@@ -68,9 +77,10 @@ class Admitter:
     which settles it at once.
     """
 
-    def __init__(self, store, on_orphan=None, background=None):
+    def __init__(self, store, on_orphan=None, background=None, on_answered=None):
         self.store = store
         self.on_orphan = on_orphan
+        self.on_answered = on_answered  # () -> None, once each batch is answered
         self._queue = Queue()
         self._background = background or Background()
 
@@ -99,12 +109,14 @@ class Admitter:
             except Exception as err:  # noqa: BLE001 - handed to each waiting request
                 for waiter in batch:
                     waiter.result.set_exception(err)
-                continue
-            for waiter, row in zip(batch, rows, strict=True):
-                if not waiter.orphaned:
-                    waiter.result.set(row)
-                else:
-                    self._orphan(waiter.request, row)
+            else:
+                for waiter, row in zip(batch, rows, strict=True):
+                    if not waiter.orphaned:
+                        waiter.result.set(row)
+                    else:
+                        self._orphan(waiter.request, row)
+            if self.on_answered is not None:
+                self.on_answered()
 
     def _orphan(self, request, row):
         if row is not None and row[0] is not None and self.on_orphan is not None:
@@ -121,26 +133,48 @@ class _Waiter:
 
 
 class SettlementWriter:
-    """Commits settlements in batches, retrying each batch until it commits."""
+    """Commits settlements in batches, retrying each batch until it commits.
 
-    def __init__(self, store, metrics=None, on_committed=None, background=None):
+    :param defer_s: how long a batch may wait for the worker's next admission to be answered
+        (:meth:`admission_answered`) before it is written; 0: written at once.
+    """
+
+    def __init__(self, store, metrics=None, on_committed=None, background=None, defer_s=0.0):
         self.store = store
         self.metrics = metrics
         self.on_committed = on_committed  # gid -> None, once committed
+        self.defer_s = defer_s
         self._queue = Queue()
         self._outstanding = {}  # gid -> Settlement, queued or being written
         self._idle = Event()
         self._idle.set()
+        self._go = Event()     # set: the deferred batch is written now
+        self._urgent = False   # someone waits for a queued settlement: no deferring
         self._background = background or Background()
 
-    def put(self, settlement):
+    def put(self, settlement, urgent=False):
+        """Queue ``settlement``; ``urgent``: its caller waits for the commit, so the batch is
+        not deferred."""
         self._background.spawn("ledger.settlements", self._write_forever)
         self._outstanding[settlement.gid] = settlement
         self._idle.clear()
         self._queue.put(settlement)
+        if urgent:
+            self.hurry()
+
+    def hurry(self):
+        """Write what is queued now, without waiting for the worker's next admission."""
+        self._urgent = True
+        self._go.set()
+
+    def admission_answered(self):
+        """This worker's admissions were answered: a deferred batch is written now."""
+        self._go.set()
 
     def wait_idle(self, timeout_s):
         """Wait up to ``timeout_s`` until nothing is outstanding; return whether so."""
+        if not self._idle.is_set():
+            self.hurry()
         return self._idle.wait(timeout_s)
 
     def wait_for(self, timeout_s, gid=None, org_id=None):
@@ -148,6 +182,8 @@ class SettlementWriter:
         org ``org_id`` to commit; return whether there were any."""
         waiting = [s for s in list(self._outstanding.values())
                    if s.gid == gid or s.org_id == org_id]
+        if waiting:
+            self.hurry()
         deadline = time.monotonic() + timeout_s
         for settlement in waiting:
             settlement.committed.wait(max(0.0, deadline - time.monotonic()))
@@ -155,7 +191,12 @@ class SettlementWriter:
 
     def _write_forever(self):
         while True:
-            batch = take_batch(self._queue, self._queue.get())
+            first = self._queue.get()
+            if self.defer_s and not self._urgent:
+                self._go.clear()
+                self._go.wait(self.defer_s)
+            self._urgent = False
+            batch = take_batch(self._queue, first)
             self._write(batch)
             for settlement in batch:
                 self._outstanding.pop(settlement.gid, None)

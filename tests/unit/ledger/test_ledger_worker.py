@@ -71,6 +71,63 @@ def test_waiting_for_an_orgs_outstanding_settlements():
 
 
 
+class PromptStore:
+    """Answers every admission and settlement at once, recording the settled ids."""
+
+    def __init__(self):
+        self.settled = []
+
+    def admit_batch(self, requests):
+        return [(r.gid, "t0", None, None, None, None, None, None) for r in requests]
+
+    def settle_batch(self, batch):
+        self.settled += [s.gid for s in batch]
+        return {s.gid: s.cost_nanos for s in batch}
+
+
+def deferring_pair(defer_s=60.0):
+    """A writer that defers its batches up to ``defer_s`` and the admitter that ends the wait."""
+    store = PromptStore()
+    writer = SettlementWriter(store, defer_s=defer_s)
+    admitter = Admitter(store, on_answered=writer.admission_answered)
+    return store, writer, admitter
+
+
+def test_a_settlement_waits_for_the_workers_next_admission_then_is_written():
+    store, writer, admitter = deferring_pair()
+    done = settlement("gen-a", 1)
+    writer.put(done)
+    gevent.sleep(0.02)
+    assert store.settled == [] and not done.committed.is_set()  # deferred: no admission yet
+    assert admitter.admit(Request("gen-next"), timeout_s=1)[0] == "gen-next"
+    assert done.committed.wait(5) and store.settled == ["gen-a"]
+
+
+def test_a_settlement_someone_waits_for_is_not_deferred():
+    store, writer, _ = deferring_pair()
+    urgent = settlement("gen-u", 1)
+    writer.put(urgent, urgent=True)
+    assert urgent.committed.wait(5) and store.settled == ["gen-u"]
+    later = settlement("gen-w", 2)
+    writer.put(later)
+    gevent.sleep(0.02)
+    assert store.settled == ["gen-u"]  # the next one is deferred again
+    assert writer.wait_for(5, org_id=2) is True  # waiting for it writes it now
+    assert later.committed.is_set() and store.settled == ["gen-u", "gen-w"]
+
+
+def test_a_deferred_settlement_is_written_without_any_admission():
+    store, writer, _ = deferring_pair(defer_s=0.01)
+    alone = settlement("gen-alone", 1)
+    writer.put(alone)
+    assert alone.committed.wait(5) and store.settled == ["gen-alone"]
+    drained = settlement("gen-drained", 1)
+    writer.put(drained)
+    writer.defer_s = 60.0
+    assert writer.wait_idle(5) and store.settled == ["gen-alone", "gen-drained"]
+
+
+
 class SocketStore:
     """``admit_batch`` answers once a byte arrives on its socket (as a database's reply)."""
 
