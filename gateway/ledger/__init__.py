@@ -58,7 +58,7 @@ from . import outbox
 from .early import RecentAdmissions
 from .postgres import PostgresStore
 from .sqlite import SqliteStore
-from .worker import SETTLE_DEFER_S, Admitter, Renewer, SettlementWriter
+from .worker import SETTLE_DEFER_S, Admitter, AdmissionTurn, Renewer, SettlementWriter
 
 log = logging.getLogger(__name__)
 
@@ -213,9 +213,9 @@ class Ledger:
         self._renewer = Renewer(self.store, config.lease_ttl_s, background=background)
         self._writer = SettlementWriter(self.store, metrics, on_committed=self._renewer.forget,
                                         background=background, defer_s=SETTLE_DEFER_S)
+        self._turns = [self._writer.turn]  # the writers that go after this worker's admissions
         self._admitter = Admitter(self.store, on_orphan=self._settle_orphan,
-                                  background=background,
-                                  on_answered=self._writer.admission_answered)
+                                  background=background, on_answered=self._answered)
         self.recent = RecentAdmissions()
 
     # -- admission ---------------------------------------------------------------------------
@@ -230,6 +230,18 @@ class Ledger:
             raise
         self.recent.admitted(request.org_id)
         return admitted
+
+    def admission_turn(self):
+        """Return an :class:`~.worker.AdmissionTurn` for another background writer of this
+        worker (stored responses): its writes, off every client's clock, then go after this
+        worker's next admissions too (at most :data:`~.worker.SETTLE_DEFER_S` later)."""
+        turn = AdmissionTurn(SETTLE_DEFER_S)
+        self._turns.append(turn)
+        return turn
+
+    def _answered(self):
+        for turn in self._turns:
+            turn.answered()
 
     def likely_admitted(self, org_id):
         """Whether this worker admitted ``org_id``'s last request, within a minute: its next
@@ -378,6 +390,9 @@ class NullLedger:
 
     def likely_admitted(self, org_id):
         return False  # admission is instant: nothing to overlap
+
+    def admission_turn(self):
+        return None  # no admissions to go after: writers write at once
 
     def track(self, gid, progress):
         return Lease(gid, progress)

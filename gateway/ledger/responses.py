@@ -159,12 +159,19 @@ class ResponseWriter:
     row is the only one lost (logged by its id and the error's class: a database error's text
     quotes the row, the customer's content; docs/RESPONSES.md).
 
+    A batch first lets the worker's next admission reach the database (``turn``, as the
+    settlement writer does: docs/METERING.md, "When the usage event is final"), unless a reader
+    waits for one of its rows.
+
     :param engine: the engine of the worker's reads and writes outside the ledger.
     :param timeout_s: the longest a reader waits for a row this worker has queued.
+    :param turn: the ledger's :class:`~gateway.ledger.worker.AdmissionTurn` for this writer
+        (``Ledger.admission_turn``), or None: each batch is written at once.
     """
 
-    def __init__(self, engine, timeout_s, background=None):
+    def __init__(self, engine, timeout_s, background=None, turn=None):
         self.engine, self.timeout_s = engine, timeout_s
+        self.turn = turn
         self._queue = Queue()
         self._pending = {}  # response id -> AsyncResult, set once its row is written or lost
         self._background = background or Background()
@@ -182,12 +189,16 @@ class ResponseWriter:
         done = self._pending.get(response_id)
         if done is None:
             return False
+        if self.turn is not None:
+            self.turn.hurry()
         done.wait(self.timeout_s)
         return True
 
     def drain(self, timeout_s):
         """Wait up to ``timeout_s`` for every queued row (graceful shutdown); return whether
         none is left."""
+        if self.turn is not None and self._pending:
+            self.turn.hurry()
         with Timeout(timeout_s, False):
             while self._pending:
                 next(iter(self._pending.values())).wait()
@@ -195,7 +206,10 @@ class ResponseWriter:
 
     def _run(self):
         while True:
-            batch = self._rows(take_batch(self._queue, self._queue.get()))
+            first = self._queue.get()
+            if self.turn is not None:
+                self.turn.wait()
+            batch = self._rows(take_batch(self._queue, first))
             try:
                 if batch:
                     _insert(self.engine, [values for _, values, _ in batch])

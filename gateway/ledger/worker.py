@@ -132,24 +132,52 @@ class _Waiter:
         self.request, self.result, self.orphaned = request, AsyncResult(), False
 
 
+class AdmissionTurn:
+    """A background writer's turn after this worker's admissions: :meth:`wait` returns once the
+    worker's next admissions are answered (:meth:`answered`, called by the :class:`Admitter`),
+    once someone waits for what the writer holds (:meth:`hurry`), or after ``defer_s``.
+
+    :param defer_s: the longest wait, in seconds; 0: never wait.
+    """
+
+    def __init__(self, defer_s=0.0):
+        self.defer_s = defer_s
+        self._go = Event()     # set: the writer goes now
+        self._urgent = False   # someone waits for what is queued: no deferring
+
+    def hurry(self):
+        """Write what is queued now."""
+        self._urgent = True
+        self._go.set()
+
+    def answered(self):
+        """The worker's admissions were answered: a waiting writer goes."""
+        self._go.set()
+
+    def wait(self):
+        """Wait for the writer's turn (at once when hurried since its last turn)."""
+        if self.defer_s and not self._urgent:
+            self._go.clear()
+            self._go.wait(self.defer_s)
+        self._urgent = False
+
+
 class SettlementWriter:
     """Commits settlements in batches, retrying each batch until it commits.
 
     :param defer_s: how long a batch may wait for the worker's next admission to be answered
-        (:meth:`admission_answered`) before it is written; 0: written at once.
+        (:class:`AdmissionTurn`, :attr:`turn`) before it is written; 0: written at once.
     """
 
     def __init__(self, store, metrics=None, on_committed=None, background=None, defer_s=0.0):
         self.store = store
         self.metrics = metrics
         self.on_committed = on_committed  # gid -> None, once committed
-        self.defer_s = defer_s
+        self.turn = AdmissionTurn(defer_s)
         self._queue = Queue()
         self._outstanding = {}  # gid -> Settlement, queued or being written
         self._idle = Event()
         self._idle.set()
-        self._go = Event()     # set: the deferred batch is written now
-        self._urgent = False   # someone waits for a queued settlement: no deferring
         self._background = background or Background()
 
     def put(self, settlement, urgent=False):
@@ -160,21 +188,12 @@ class SettlementWriter:
         self._idle.clear()
         self._queue.put(settlement)
         if urgent:
-            self.hurry()
-
-    def hurry(self):
-        """Write what is queued now, without waiting for the worker's next admission."""
-        self._urgent = True
-        self._go.set()
-
-    def admission_answered(self):
-        """This worker's admissions were answered: a deferred batch is written now."""
-        self._go.set()
+            self.turn.hurry()
 
     def wait_idle(self, timeout_s):
         """Wait up to ``timeout_s`` until nothing is outstanding; return whether so."""
         if not self._idle.is_set():
-            self.hurry()
+            self.turn.hurry()
         return self._idle.wait(timeout_s)
 
     def wait_for(self, timeout_s, gid=None, org_id=None):
@@ -183,7 +202,7 @@ class SettlementWriter:
         waiting = [s for s in list(self._outstanding.values())
                    if s.gid == gid or s.org_id == org_id]
         if waiting:
-            self.hurry()
+            self.turn.hurry()
         deadline = time.monotonic() + timeout_s
         for settlement in waiting:
             settlement.committed.wait(max(0.0, deadline - time.monotonic()))
@@ -192,10 +211,7 @@ class SettlementWriter:
     def _write_forever(self):
         while True:
             first = self._queue.get()
-            if self.defer_s and not self._urgent:
-                self._go.clear()
-                self._go.wait(self.defer_s)
-            self._urgent = False
+            self.turn.wait()
             batch = take_batch(self._queue, first)
             self._write(batch)
             for settlement in batch:

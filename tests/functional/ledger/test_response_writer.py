@@ -14,6 +14,7 @@ import sqlalchemy as sa
 from gateway.db import utcnow
 from gateway.errors import NotFound
 from gateway.ledger import responses as stored
+from gateway.ledger.worker import AdmissionTurn
 from gateway.models import new_response_id
 from gateway_proc import make_org
 
@@ -88,6 +89,27 @@ def test_a_read_waits_for_this_workers_queued_row(engine):
     reads = Reads(engine, org.id, response_id)
     assert reads.written(writer)["id"] == response_id
     assert reads.tries == 2  # not there, then there once the writer said so
+
+
+def test_a_writer_after_admissions_waits_for_one_unless_a_reader_waits(engine):
+    """With the ledger's turn (``Ledger.admission_turn``), a row is written once the worker's
+    next admissions are answered; a read of a queued row does not wait for that."""
+    org = make_org(engine, f"writer-turn-{uuid.uuid4().hex[:8]}")
+    turn = AdmissionTurn(defer_s=60.0)
+    writer = stored.ResponseWriter(engine, timeout_s=30, turn=turn)
+    waited_for = save(engine, writer, org.id)
+    gevent.sleep(0.05)
+    assert live_rows(engine, org.id) == 0  # its turn has not come
+    reads = Reads(engine, org.id, waited_for)
+    assert reads.written(writer)["id"] == waited_for and reads.tries == 2
+    later = save(engine, writer, org.id)
+    gevent.sleep(0.05)
+    assert live_rows(engine, org.id) == 1  # deferred again
+    turn.answered()  # what the ledger's admitter does once it has answered admissions
+    with gevent.Timeout(30):
+        while later in writer._pending:  # written without anyone hurrying it
+            gevent.sleep(0.01)
+    assert stored.get(engine, org.id, later)["id"] == later
 
 
 def test_a_row_written_between_the_read_and_the_look_is_read(engine):

@@ -89,7 +89,7 @@ def deferring_pair(defer_s=60.0):
     """A writer that defers its batches up to ``defer_s`` and the admitter that ends the wait."""
     store = PromptStore()
     writer = SettlementWriter(store, defer_s=defer_s)
-    admitter = Admitter(store, on_answered=writer.admission_answered)
+    admitter = Admitter(store, on_answered=writer.turn.answered)
     return store, writer, admitter
 
 
