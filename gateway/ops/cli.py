@@ -302,7 +302,9 @@ def parse_grant_usd(text, postgres):
     return amount
 
 
-@credits.command("grant")
+# A negative amount is an argument, as README "Administration" writes it (`... grant acme -0.5`),
+# not an unknown option (click's ignore_unknown_options passes it through).
+@credits.command("grant", context_settings={"ignore_unknown_options": True})
 @click.argument("org_ref")
 @click.argument("usd")
 @click.option("--note", type=Text(1000), default=None)

@@ -34,7 +34,8 @@ class Metrics:
         self._children = {}
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.requests = Counter("kiln_requests_total", "Chat requests by model and final status",
+        self.requests = Counter("kiln_requests_total",
+                                "Generations of every endpoint by model and final status",
                                 ["model", "status"], registry=r)
         # The same generations by the API the client called (a codec's name: chat, messages,
         # responses, completions, embeddings); the series above keep their names and labels.

@@ -94,6 +94,10 @@ def test_exact_amounts_are_recorded_to_the_nano_dollar(db):
         kiln(url, "credits", "grant", "acme", "--", amount)
         expected += nanos
         assert ledger(engine, org_id)[1] == expected, amount
+    # A negative amount typed as README "Administration" shows it, without "--".
+    kiln(url, "credits", "grant", "acme", "-0.25", "--note", "correction")
+    expected -= 25 * 10**7
+    assert ledger(engine, org_id)[1] == expected
     if dialect == "postgres":
         rich = int(kiln(url, "org", "create", "rich").stdout)
         kiln(url, "credits", "grant", "rich", "9223372036.854775807")
