@@ -210,10 +210,10 @@ class Ledger:
         self.store = PostgresStore(engine) if is_postgres(engine) else SqliteStore(engine)
         self.config = config
         self.catalog = catalog
+        self._turns = []  # the writers that go after this worker's admissions
         self._renewer = Renewer(self.store, config.lease_ttl_s, background=background)
         self._writer = SettlementWriter(self.store, metrics, on_committed=self._renewer.forget,
-                                        background=background, defer_s=SETTLE_DEFER_S)
-        self._turns = [self._writer.turn]  # the writers that go after this worker's admissions
+                                        background=background, turn=self.admission_turn())
         self._admitter = Admitter(self.store, on_orphan=self._settle_orphan,
                                   background=background, on_answered=self._answered)
         self.recent = RecentAdmissions()
@@ -232,9 +232,9 @@ class Ledger:
         return admitted
 
     def admission_turn(self):
-        """Return an :class:`~.worker.AdmissionTurn` for another background writer of this
-        worker (stored responses): its writes, off every client's clock, then go after this
-        worker's next admissions too (at most :data:`~.worker.SETTLE_DEFER_S` later)."""
+        """Return an :class:`~.worker.AdmissionTurn` for a background writer of this worker
+        (settlements, stored responses): its writes, off every client's clock, go after this
+        worker's next admissions (at most :data:`~.worker.SETTLE_DEFER_S` later)."""
         turn = AdmissionTurn(SETTLE_DEFER_S)
         self._turns.append(turn)
         return turn
@@ -392,7 +392,7 @@ class NullLedger:
         return False  # admission is instant: nothing to overlap
 
     def admission_turn(self):
-        return None  # no admissions to go after: writers write at once
+        return AdmissionTurn()  # no admissions to go after: writers write at once
 
     def track(self, gid, progress):
         return Lease(gid, progress)

@@ -30,7 +30,7 @@ from ..db import iso_utc, utcnow
 from ..errors import InvalidRequest, NotFound
 from ..models import response_id_created_at, stored_responses as t
 from .history import history_items
-from .worker import refused_for_its_data, take_batch
+from .worker import AdmissionTurn, refused_for_its_data, take_batch
 
 log = logging.getLogger(__name__)
 
@@ -166,12 +166,12 @@ class ResponseWriter:
     :param engine: the engine of the worker's reads and writes outside the ledger.
     :param timeout_s: the longest a reader waits for a row this worker has queued.
     :param turn: the ledger's :class:`~gateway.ledger.worker.AdmissionTurn` for this writer
-        (``Ledger.admission_turn``), or None: each batch is written at once.
+        (``Ledger.admission_turn``); by default each batch is written at once.
     """
 
     def __init__(self, engine, timeout_s, background=None, turn=None):
         self.engine, self.timeout_s = engine, timeout_s
-        self.turn = turn
+        self.turn = turn or AdmissionTurn()
         self._queue = Queue()
         self._pending = {}  # response id -> AsyncResult, set once its row is written or lost
         self._background = background or Background()
@@ -189,15 +189,14 @@ class ResponseWriter:
         done = self._pending.get(response_id)
         if done is None:
             return False
-        if self.turn is not None:
-            self.turn.hurry()
+        self.turn.hurry()
         done.wait(self.timeout_s)
         return True
 
     def drain(self, timeout_s):
         """Wait up to ``timeout_s`` for every queued row (graceful shutdown); return whether
         none is left."""
-        if self.turn is not None and self._pending:
+        if self._pending:
             self.turn.hurry()
         with Timeout(timeout_s, False):
             while self._pending:
@@ -207,8 +206,7 @@ class ResponseWriter:
     def _run(self):
         while True:
             first = self._queue.get()
-            if self.turn is not None:
-                self.turn.wait()
+            self.turn.wait()
             batch = self._rows(take_batch(self._queue, first))
             try:
                 if batch:

@@ -165,15 +165,16 @@ class AdmissionTurn:
 class SettlementWriter:
     """Commits settlements in batches, retrying each batch until it commits.
 
-    :param defer_s: how long a batch may wait for the worker's next admission to be answered
-        (:class:`AdmissionTurn`, :attr:`turn`) before it is written; 0: written at once.
+    :param turn: the ledger's :class:`AdmissionTurn` for this writer (``Ledger.admission_turn``):
+        a batch waits for the worker's next admission to be answered; by default it is written
+        at once.
     """
 
-    def __init__(self, store, metrics=None, on_committed=None, background=None, defer_s=0.0):
+    def __init__(self, store, metrics=None, on_committed=None, background=None, turn=None):
         self.store = store
         self.metrics = metrics
         self.on_committed = on_committed  # gid -> None, once committed
-        self.turn = AdmissionTurn(defer_s)
+        self.turn = turn or AdmissionTurn()
         self._queue = Queue()
         self._outstanding = {}  # gid -> Settlement, queued or being written
         self._idle = Event()

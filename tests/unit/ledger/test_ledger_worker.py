@@ -10,7 +10,7 @@ from gevent.event import Event
 
 from gateway.billing import Usage
 from gateway.ledger import Settlement
-from gateway.ledger.worker import Admitter, Renewer, SettlementWriter
+from gateway.ledger.worker import AdmissionTurn, Admitter, Renewer, SettlementWriter
 
 pytestmark = pytest.mark.unit
 
@@ -88,7 +88,7 @@ class PromptStore:
 def deferring_pair(defer_s=60.0):
     """A writer that defers its batches up to ``defer_s`` and the admitter that ends the wait."""
     store = PromptStore()
-    writer = SettlementWriter(store, defer_s=defer_s)
+    writer = SettlementWriter(store, turn=AdmissionTurn(defer_s))
     admitter = Admitter(store, on_answered=writer.turn.answered)
     return store, writer, admitter
 
@@ -123,7 +123,7 @@ def test_a_deferred_settlement_is_written_without_any_admission():
     assert alone.committed.wait(5) and store.settled == ["gen-alone"]
     drained = settlement("gen-drained", 1)
     writer.put(drained)
-    writer.defer_s = 60.0
+    writer.turn.defer_s = 60.0
     assert writer.wait_idle(5) and store.settled == ["gen-alone", "gen-drained"]
 
 
